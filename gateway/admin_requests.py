@@ -1,0 +1,165 @@
+"""The audit log over HTTP: `GET /admin/requests` (filters, cursor pagination),
+`GET /admin/requests/{request_id}` (record, events and explanation) and, for a tenant with its
+own key, `GET /v1/requests/{request_id}` (its own requests only; another tenant's is a 404, and
+other tenants' names and request ids are redacted from the explanation and the events)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.appkeys import PRINCIPAL, SESSIONMAKER
+from gateway.audit import (
+    MAX_PAGE_SIZE,
+    AuditEventOut,
+    AuditRecordOut,
+    RequestPage,
+    get_request,
+    list_requests,
+)
+from gateway.errors import APIError, bad_request
+from gateway.explain import explain, redact_events
+
+STATUSES = ("finished", "aborted", "cancelled", "error", "rejected")
+
+
+class RequestQuery(BaseModel):
+    """Filters of `GET /admin/requests` (query string); newest first."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant_id: int | None = Field(None, description="only this tenant's requests")
+    tenant: str | None = Field(None, description="only this tenant's requests, by name")
+    status: str | None = Field(None, description=f"comma-separated statuses: {', '.join(STATUSES)}")
+    priority: int | None = Field(None, description="effective priority")
+    received_after: datetime | None = Field(None, description="ISO 8601, inclusive")
+    received_before: datetime | None = Field(None, description="ISO 8601, exclusive")
+    min_queue_time_s: float | None = Field(None, ge=0, description="queued at least this long")
+    preempted_only: bool = Field(False, description="only requests preempted at least once")
+    cursor: str | None = Field(None, description="`next_cursor` of the previous page")
+    limit: int = Field(50, ge=1, le=MAX_PAGE_SIZE)
+
+    @field_validator("status")
+    @classmethod
+    def known_statuses(cls, value: str | None) -> str | None:
+        if value is not None:
+            unknown = set(value.split(",")) - set(STATUSES)
+            if unknown:
+                raise ValueError(f"unknown status {sorted(unknown)}; use {', '.join(STATUSES)}")
+        return value
+
+
+class DelayOut(BaseModel):
+    cause: str = Field(
+        description="gateway | queue | waiting_for_kv | waiting_for_slot | preempted"
+    )
+    start_s: float = Field(description="seconds after the request was received")
+    duration_s: float
+    sentence: str
+    choice: int | None
+    facts: dict[str, Any]
+
+
+class RequestDetailOut(BaseModel):
+    record: AuditRecordOut
+    events: list[AuditEventOut]
+    explanation: list[str] = Field(description="plain sentences: where the time went and why")
+    delays: list[DelayOut] = Field(description="every delay named; they add up to total_delay_s")
+    total_time_s: float | None
+    total_delay_s: float
+    service_time_s: float | None
+
+
+def query_of(request: web.Request) -> RequestQuery:
+    try:
+        return RequestQuery.model_validate(dict(request.query))
+    except ValidationError as error:
+        problem = error.errors(include_url=False)[0]
+        name = ".".join(str(part) for part in problem["loc"]) or None
+        raise bad_request(
+            f"Invalid query parameter '{name}': {problem['msg']}", param=name
+        ) from None
+
+
+async def list_requests_handler(request: web.Request) -> web.Response:
+    query = query_of(request)
+    async with request.config_dict[SESSIONMAKER]() as session:
+        tenant_id = await tenant_filter(session, query)
+        try:
+            page = await list_requests(
+                session,
+                tenant_id=tenant_id,
+                status=query.status.split(",") if query.status else None,
+                priority=query.priority,
+                received_after=query.received_after,
+                received_before=query.received_before,
+                min_queue_time_s=query.min_queue_time_s,
+                preempted_only=query.preempted_only,
+                cursor=query.cursor,
+                limit=query.limit,
+            )
+        except ValueError as error:  # a cursor we did not make
+            raise bad_request(str(error), param="cursor") from None
+    return web.json_response(text=page.model_dump_json())
+
+
+async def tenant_filter(session, query: RequestQuery) -> int | None:
+    if query.tenant is None:
+        return query.tenant_id
+    from gateway.tenants import TenantNotFound, get_tenant_by_name
+
+    try:
+        tenant = await get_tenant_by_name(session, query.tenant)
+    except TenantNotFound:
+        return -1  # matches nothing: an empty page, as for an unknown tenant_id
+    if query.tenant_id is not None and query.tenant_id != tenant.id:
+        return -1
+    return tenant.id
+
+
+async def get_request_handler(request: web.Request) -> web.Response:
+    detail = await request_detail(request, request.match_info["request_id"], None, None)
+    return web.json_response(text=detail.model_dump_json())
+
+
+async def own_request(request: web.Request) -> web.Response:
+    """`GET /v1/requests/{request_id}` with a tenant key: the tenant's own requests only."""
+    tenant = request[PRINCIPAL].tenant
+    request_id = request.match_info["request_id"]
+    detail = await request_detail(request, request_id, tenant.id, tenant.name)
+    return web.json_response(text=detail.model_dump_json())
+
+
+async def request_detail(
+    request: web.Request, request_id: str, tenant_id: int | None, viewer: str | None
+) -> RequestDetailOut:
+    async with request.config_dict[SESSIONMAKER]() as session:
+        detail = await get_request(session, request_id, tenant_id=tenant_id)
+    if detail is None:
+        raise APIError(404, f"No request {request_id!r} in the audit log.", code="not_found")
+    return with_explanation(detail.record, detail.events, viewer)
+
+
+def with_explanation(
+    record: AuditRecordOut, events: list[AuditEventOut], viewer: str | None
+) -> RequestDetailOut:
+    stored = [event.model_dump() for event in events]
+    explanation = explain(record.model_dump(), stored, viewer_tenant=viewer)
+    shown = stored if viewer is None else redact_events(stored, viewer)
+    return RequestDetailOut(
+        record=record,
+        events=[AuditEventOut.model_validate(event) for event in shown],
+        explanation=explanation.sentences,
+        delays=[
+            DelayOut.model_validate(delay, from_attributes=True) for delay in explanation.delays
+        ],
+        total_time_s=explanation.total_time_s,
+        total_delay_s=explanation.total_delay_s,
+        service_time_s=explanation.service_time_s,
+    )
+
+
+__all__ = ["RequestDetailOut", "RequestPage", "RequestQuery"]

@@ -1,0 +1,259 @@
+"""Tenants, their API keys and their usage over the admin API.
+
+    POST   /admin/tenants                    TenantCreate -> 201 TenantOut
+    GET    /admin/tenants                    -> TenantList
+    GET    /admin/tenants/{tenant_id}        -> TenantOut
+    PATCH  /admin/tenants/{tenant_id}        TenantPatch -> TenantOut
+    DELETE /admin/tenants/{tenant_id}        -> 204 (its keys go too; its audit records stay)
+    POST   /admin/tenants/{tenant_id}/keys   -> 201 KeyCreated (the key, shown this once)
+    GET    /admin/tenants/{tenant_id}/keys   -> KeyList (prefixes and dates, never keys)
+    DELETE /admin/keys/{key_id}              -> ApiKeyOut (revoked)
+    GET    /admin/tenants/{tenant_id}/usage  -> TenantUsage
+
+Changes take effect on this replica at once (its authentication cache is cleared) and on the
+others within the cache's lifetime (2 s).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.appkeys import AUTHENTICATOR, RATE_LIMITER, SESSIONMAKER, SETTINGS
+from gateway.errors import APIError, bad_request, from_validation_error
+from gateway.tenants import (
+    INT32_MAX,
+    INT64_MAX,
+    TENANT_NAME_PATTERN,
+    ApiKeyNotFound,
+    ApiKeyOut,
+    KeyHasher,
+    TenantCreate,
+    TenantNameTaken,
+    TenantNotFound,
+    TenantOut,
+    TenantUpdate,
+    create_key,
+    create_tenant,
+    delete_tenant,
+    get_tenant,
+    list_keys,
+    list_tenants,
+    revoke_key,
+    update_tenant,
+)
+
+
+# ---- bodies ----------------------------------------------------------------------------------
+class TenantPatch(BaseModel):
+    """Only the fields given change; `null` on a limit removes it (unlimited). The tenant as a
+    whole must stay valid (e.g. max_priority <= default_priority)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, pattern=TENANT_NAME_PATTERN)
+    default_priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
+    max_priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
+    weight: float | None = Field(None, gt=0, le=1_000_000, allow_inf_nan=False)
+    rpm: int | None = Field(None, ge=1, le=INT32_MAX)
+    tpm: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_concurrency: int | None = Field(None, ge=1, le=INT32_MAX)
+    daily_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
+    monthly_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
+    enabled: bool | None = None
+
+
+class TenantList(BaseModel):
+    items: list[TenantOut]
+
+
+class KeyCreated(BaseModel):
+    id: int
+    tenant_id: int
+    prefix: str
+    created_at: datetime
+    key: str = Field(description="the API key; shown only in this response, never again")
+
+
+class KeyList(BaseModel):
+    items: list[ApiKeyOut]
+
+
+class TenantUsage(BaseModel):
+    """Tokens against quotas (UTC day and month) and the live rate-limit state, from Redis."""
+
+    tenant_id: int
+    tenant: str
+    available: bool = Field(description="false: Redis unreachable, the numbers are unknown")
+    tokens_today: int | None = None
+    tokens_this_month: int | None = None
+    daily_token_quota: int | None
+    monthly_token_quota: int | None
+    daily_tokens_remaining: int | None = None
+    monthly_tokens_remaining: int | None = None
+    rpm: int | None
+    requests_remaining: int | None = None
+    requests_reset_s: float | None = None
+    tpm: int | None
+    tokens_this_minute: int | None = None
+    tokens_remaining: int | None = None
+    tokens_reset_s: float | None = None
+    max_concurrency: int | None
+    concurrency: int | None = Field(None, description="requests running now")
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+async def read_json(request: web.Request, model: type[BaseModel]) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        raise bad_request("The request body is empty; send a JSON object.")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def int_param(request: web.Request, name: str) -> int:
+    value = request.match_info[name]
+    if not value.isdigit():
+        raise APIError(404, f"No such {name.removesuffix('_id')}: {value!r}.", code="not_found")
+    return int(value)
+
+
+def not_found(error: LookupError) -> APIError:
+    return APIError(404, str(error), code="not_found")
+
+
+def name_taken(error: TenantNameTaken) -> APIError:
+    return APIError(409, str(error), param="name", code="tenant_name_taken")
+
+
+def json_model(model: BaseModel, status: int = 200) -> web.Response:
+    return web.json_response(text=model.model_dump_json(), status=status)
+
+
+def forget_cached_keys(request: web.Request) -> None:
+    authenticator = request.config_dict.get(AUTHENTICATOR)
+    if authenticator is not None:
+        authenticator.invalidate()
+
+
+# ---- tenants ---------------------------------------------------------------------------------
+async def create_tenant_handler(request: web.Request) -> web.Response:
+    data = await read_json(request, TenantCreate)
+    try:
+        async with request.config_dict[SESSIONMAKER].begin() as session:
+            tenant = await create_tenant(session, data)
+    except TenantNameTaken as error:
+        raise name_taken(error) from None
+    return json_model(tenant, status=201)
+
+
+async def list_tenants_handler(request: web.Request) -> web.Response:
+    async with request.config_dict[SESSIONMAKER]() as session:
+        tenants = await list_tenants(session)
+    return json_model(TenantList(items=tenants))
+
+
+async def get_tenant_handler(request: web.Request) -> web.Response:
+    return json_model(await load_tenant(request))
+
+
+async def load_tenant(request: web.Request) -> TenantOut:
+    tenant_id = int_param(request, "tenant_id")
+    try:
+        async with request.config_dict[SESSIONMAKER]() as session:
+            return await get_tenant(session, tenant_id)
+    except TenantNotFound as error:
+        raise not_found(error) from None
+
+
+async def update_tenant_handler(request: web.Request) -> web.Response:
+    tenant_id = int_param(request, "tenant_id")
+    patch = await read_json(request, TenantPatch)
+    changes = TenantUpdate.model_validate(patch.model_dump(exclude_unset=True))
+    try:
+        async with request.config_dict[SESSIONMAKER].begin() as session:
+            tenant = await update_tenant(session, tenant_id, changes)
+    except TenantNotFound as error:
+        raise not_found(error) from None
+    except TenantNameTaken as error:
+        raise name_taken(error) from None
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+    forget_cached_keys(request)
+    return json_model(tenant)
+
+
+async def delete_tenant_handler(request: web.Request) -> web.Response:
+    tenant_id = int_param(request, "tenant_id")
+    try:
+        async with request.config_dict[SESSIONMAKER].begin() as session:
+            await delete_tenant(session, tenant_id)
+    except TenantNotFound as error:
+        raise not_found(error) from None
+    forget_cached_keys(request)
+    return web.Response(status=204)
+
+
+# ---- keys ------------------------------------------------------------------------------------
+async def create_key_handler(request: web.Request) -> web.Response:
+    tenant_id = int_param(request, "tenant_id")
+    hasher = KeyHasher(request.config_dict[SETTINGS].effective_key_hash_secret)
+    try:
+        async with request.config_dict[SESSIONMAKER].begin() as session:
+            key, plaintext = await create_key(session, tenant_id, hasher)
+            created = KeyCreated(
+                id=key.id,
+                tenant_id=key.tenant_id,
+                prefix=key.prefix,
+                created_at=key.created_at,
+                key=plaintext,
+            )
+    except TenantNotFound as error:
+        raise not_found(error) from None
+    return json_model(created, status=201)
+
+
+async def list_keys_handler(request: web.Request) -> web.Response:
+    tenant_id = int_param(request, "tenant_id")
+    try:
+        async with request.config_dict[SESSIONMAKER]() as session:
+            keys = [ApiKeyOut.model_validate(key) for key in await list_keys(session, tenant_id)]
+    except TenantNotFound as error:
+        raise not_found(error) from None
+    return json_model(KeyList(items=keys))
+
+
+async def revoke_key_handler(request: web.Request) -> web.Response:
+    key_id = int_param(request, "key_id")
+    try:
+        async with request.config_dict[SESSIONMAKER].begin() as session:
+            key = ApiKeyOut.model_validate(await revoke_key(session, key_id))
+    except ApiKeyNotFound as error:
+        raise not_found(error) from None
+    forget_cached_keys(request)
+    return json_model(key)
+
+
+# ---- usage -----------------------------------------------------------------------------------
+async def usage_handler(request: web.Request) -> web.Response:
+    from gateway.openai_api import tenant_limits
+
+    tenant = await load_tenant(request)
+    state = await request.config_dict[RATE_LIMITER].usage(tenant_limits(tenant))
+    configured = {
+        "tenant_id": tenant.id,
+        "tenant": tenant.name,
+        "daily_token_quota": tenant.daily_token_quota,
+        "monthly_token_quota": tenant.monthly_token_quota,
+        "rpm": tenant.rpm,
+        "tpm": tenant.tpm,
+        "max_concurrency": tenant.max_concurrency,
+    }
+    live = {k: v for k, v in state.items() if k in TenantUsage.model_fields}
+    usage = TenantUsage(**{**live, **configured})
+    return json_model(usage)

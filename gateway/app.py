@@ -1,0 +1,279 @@
+"""The aiohttp application factory: one `cleanup_ctx` per resource, middleware factories, the
+OpenAI routes, health probes and the admin sub-app.
+
+Startup order: database (migrated), Redis and the rate limiter, audit writer, authenticator,
+demo tenant on a first start, then the model (loaded on a thread). Shutdown runs in reverse,
+after `gateway.lifecycle` has drained in-flight requests for up to `--drain-timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shlex
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway import admin, lifecycle, metrics, openai_api, retention
+from gateway.appkeys import (
+    AUDIT,
+    AUTHENTICATOR,
+    DB_ENGINE,
+    ENGINE,
+    PRINCIPAL,
+    RATE_LIMITER,
+    REDIS,
+    SERVING_STATE,
+    SESSIONMAKER,
+    SETTINGS,
+    Principal,
+    ServingState,
+)
+from gateway.errors import (
+    add_request_id_header,
+    error_middleware,
+    invalid_api_key,
+    missing_api_key,
+    overloaded,
+    request_id_middleware,
+)
+from gateway.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+AUTHENTICATED_PREFIX = "/v1/"
+DEMO_TENANT_NAME = "demo"
+REDIS_PING_TIMEOUT_S = 1.0
+
+
+def create_app(settings: ServeSettings) -> web.Application:
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[request_id_middleware(), error_middleware(), auth_middleware()],
+    )
+    app[SETTINGS] = settings
+    app[SERVING_STATE] = ServingState()
+    app.cleanup_ctx.extend(
+        [database_ctx, redis_ctx, audit_ctx, authenticator_ctx, demo_tenant_ctx, engine_ctx]
+    )
+    app.cleanup_ctx.append(retention.audit_retention_ctx)
+    metrics.install(app)  # app[METRICS], GET /metrics and the step-rate sampler
+    app.on_response_prepare.append(add_request_id_header)
+    app.on_response_prepare.append(lifecycle.close_connection_while_draining)
+    app.on_shutdown.append(start_draining)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    openai_api.add_routes(app.router)
+    app.add_subapp("/admin", admin.create_admin_app())
+    return app
+
+
+# ---- resources --------------------------------------------------------------------------------
+async def database_ctx(app: web.Application) -> AsyncIterator[None]:
+    from gateway.db import make_async_engine, make_sessionmaker, upgrade
+
+    url = app[SETTINGS].database_url
+    if app[SETTINGS].auto_migrate:
+        await asyncio.to_thread(upgrade, url)
+    engine = make_async_engine(url)
+    app[DB_ENGINE] = engine
+    app[SESSIONMAKER] = make_sessionmaker(engine)
+    yield
+    await engine.dispose()
+
+
+async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
+    from gateway.ratelimit import RateLimiter
+    from gateway.redis_client import make_redis
+
+    settings = app[SETTINGS]
+    redis = make_redis(settings.redis_url)
+    app[REDIS] = redis
+    app[RATE_LIMITER] = RateLimiter(
+        redis, burst=settings.rate_limit_burst, on_error=settings.rate_limit_on_error
+    )
+    if not await app[RATE_LIMITER].load_scripts():
+        log.warning(
+            "Redis is unreachable at startup; rate limits are %s",
+            "fail-" + settings.rate_limit_on_error,
+        )
+    yield
+    await redis.aclose()
+
+
+async def audit_ctx(app: web.Application) -> AsyncIterator[None]:
+    from gateway.audit import AuditWriter
+
+    if not app[SETTINGS].audit:  # --no-audit: nothing is recorded (benchmarks compare)
+        app[AUDIT] = None
+        yield
+        return
+    writer = AuditWriter(app[DB_ENGINE], Path(app[SETTINGS].audit_spool_path))
+    writer.start()
+    app[AUDIT] = writer
+    yield
+    await writer.close()
+
+
+async def authenticator_ctx(app: web.Application) -> AsyncIterator[None]:
+    from gateway.tenants import Authenticator, KeyHasher
+
+    hasher = KeyHasher(app[SETTINGS].effective_key_hash_secret)
+    authenticator = Authenticator(app[SESSIONMAKER], hasher)
+    app[AUTHENTICATOR] = authenticator
+    yield
+    await authenticator.close()
+
+
+async def demo_tenant_ctx(app: web.Application) -> AsyncIterator[None]:
+    if app[SETTINGS].create_demo_tenant:
+        plaintext = await create_demo_tenant_if_none(app)
+        if plaintext is not None:
+            print_demo_instructions(app[SETTINGS], plaintext)
+    yield
+
+
+async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    from runtime.engine import AsyncEngine, Engine
+
+    engine = await asyncio.to_thread(Engine, app[SETTINGS].engine_config())
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    app[ENGINE] = async_engine
+    log.info(
+        "model %s loaded: %d KV blocks", engine.model_name, engine.block_manager.num_gpu_blocks
+    )
+    yield
+    await asyncio.to_thread(async_engine.stop)
+
+
+async def start_draining(app: web.Application) -> None:
+    """`on_shutdown`: refuse new work; aiohttp then waits for in-flight requests."""
+    app[SERVING_STATE].is_draining = True
+
+
+# ---- demo tenant -------------------------------------------------------------------------------
+async def create_demo_tenant_if_none(app: web.Application) -> str | None:
+    """On a first start (no tenants at all) create `demo` and return its key's plaintext."""
+    from gateway.tenants import (
+        KeyHasher,
+        TenantCreate,
+        TenantNameTaken,
+        create_key,
+        create_tenant,
+        list_tenants,
+    )
+
+    hasher = KeyHasher(app[SETTINGS].effective_key_hash_secret)
+    try:
+        async with app[SESSIONMAKER].begin() as session:
+            if await list_tenants(session):
+                return None
+            tenant = await create_tenant(session, TenantCreate(name=DEMO_TENANT_NAME))
+            _, plaintext = await create_key(session, tenant.id, hasher)
+    except TenantNameTaken:  # another replica's first start won
+        return None
+    return plaintext
+
+
+def print_demo_instructions(settings: ServeSettings, plaintext: str) -> None:
+    from runtime.model_loader import served_model_name
+
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    body = (
+        f'{{"model": "{served_model_name(settings.model)}", '
+        '"messages": [{"role": "user", "content": "Say hello!"}], "max_tokens": 32}'
+    )
+    curl = (
+        f"curl http://{host}:{settings.port}/v1/chat/completions "
+        f"-H {shlex.quote('Authorization: Bearer ' + plaintext)} "
+        "-H 'Content-Type: application/json' "
+        f"-d {shlex.quote(body)}"
+    )
+    lines = [
+        f"Created tenant '{DEMO_TENANT_NAME}'. Its API key is shown only this once:",
+        f"  API key: {plaintext}",
+        "Try it:",
+        f"  {curl}",
+    ]
+    print("\n".join(lines), file=sys.stdout, flush=True)
+    if not settings.key_hash_secret:
+        log.warning("no --key-hash-secret set: API keys are hashed with a development secret")
+
+
+# ---- authentication ----------------------------------------------------------------------------
+def auth_middleware():
+    """Bearer API keys on `/v1/...`; the tenant lands in `request[PRINCIPAL]`."""
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler):
+        if request.path.startswith(AUTHENTICATED_PREFIX):
+            request[PRINCIPAL] = await principal_of(request)
+        return await handler(request)
+
+    return authenticate
+
+
+def bearer_token(request: web.Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+async def principal_of(request: web.Request) -> Principal:
+    token = bearer_token(request)
+    if token is None:
+        raise missing_api_key()
+    try:
+        result = await request.app[AUTHENTICATOR].authenticate(token)
+    except Exception:
+        log.warning("authentication lookup failed", exc_info=True)
+        raise overloaded("The API key could not be checked right now.", 1.0) from None
+    if result is None:
+        raise invalid_api_key()
+    return Principal(tenant=result.tenant, key_id=result.key.id)
+
+
+# ---- probes ------------------------------------------------------------------------------------
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    checks = {
+        "model": is_engine_running(request.app),
+        "database": await is_database_reachable(request.app),
+        "redis": await is_redis_reachable(request.app),
+        "accepting": not request.app[SERVING_STATE].is_draining,
+    }
+    # With --rate-limit-on-error=open a Redis outage only lifts the rate limits (requests are
+    # still served), so it must not take the replica out of the load balancer; fail-closed
+    # refuses every request without Redis, so there Redis is part of being ready.
+    required = dict(checks)
+    if request.app[SETTINGS].rate_limit_on_error == "open":
+        required.pop("redis")
+    ready = all(required.values())
+    body = {"status": "ready" if ready else "not ready", "checks": checks}
+    return web.json_response(body, status=200 if ready else 503)
+
+
+def is_engine_running(app: web.Application) -> bool:
+    engine = app.get(ENGINE)
+    return engine is not None and engine.thread.is_alive() and not engine.stopping
+
+
+async def is_database_reachable(app: web.Application) -> bool:
+    from gateway.db import check_database
+
+    return await check_database(app[DB_ENGINE])
+
+
+async def is_redis_reachable(app: web.Application) -> bool:
+    try:
+        return bool(await asyncio.wait_for(app[REDIS].ping(), REDIS_PING_TIMEOUT_S))
+    except Exception:
+        return False

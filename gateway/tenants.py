@@ -1,0 +1,383 @@
+"""Tenants and API keys: validated CRUD on an `AsyncSession`, keyed hashing, and authentication.
+
+The service functions flush but never commit; callers own the transaction:
+
+    async with sessionmaker.begin() as session:
+        tenant = await create_tenant(session, TenantCreate(name="acme", rpm=600))
+
+API keys are shown once (`cvy_` + 40 url-safe characters) and stored only as an HMAC-SHA256 of
+the key under a server secret, next to a short visible prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sqlalchemy import delete, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.models import ApiKey, Tenant, utcnow
+
+log = logging.getLogger(__name__)
+
+KEY_SCHEME = "cvy_"
+KEY_SECRET_LEN = 40  # url-safe characters after the scheme
+KEY_PREFIX_LEN = len(KEY_SCHEME) + 4
+KEY_PATTERN = re.compile(rf"{KEY_SCHEME}[A-Za-z0-9_-]{{{KEY_SECRET_LEN}}}")
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+TENANT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # safe in Redis tags and labels
+
+
+class TenantNotFound(LookupError):
+    pass
+
+
+class TenantNameTaken(ValueError):
+    pass
+
+
+class ApiKeyNotFound(LookupError):
+    pass
+
+
+# --- pydantic bodies ------------------------------------------------------------------------
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=TENANT_NAME_PATTERN)
+    default_priority: int = Field(0, ge=-1_000_000, le=1_000_000)
+    max_priority: int = Field(0, ge=-1_000_000, le=1_000_000)  # most urgent allowed
+    weight: float = Field(1.0, gt=0, le=1_000_000, allow_inf_nan=False)
+    rpm: int | None = Field(None, ge=1, le=INT32_MAX)
+    tpm: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_concurrency: int | None = Field(None, ge=1, le=INT32_MAX)
+    daily_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
+    monthly_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
+    enabled: bool = True
+
+    @model_validator(mode="after")
+    def _max_priority_is_at_least_as_urgent(self) -> TenantCreate:
+        if self.max_priority > self.default_priority:
+            raise ValueError(
+                "max_priority (the most urgent allowed) must be <= default_priority;"
+                " lower numbers are more urgent"
+            )
+        return self
+
+
+class TenantUpdate(BaseModel):
+    """A partial change: only the fields given are applied; `null` on a limit means unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    default_priority: int | None = None
+    max_priority: int | None = None
+    weight: float | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    daily_token_quota: int | None = None
+    monthly_token_quota: int | None = None
+    enabled: bool | None = None
+
+
+class TenantOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    name: str
+    default_priority: int
+    max_priority: int
+    weight: float
+    rpm: int | None
+    tpm: int | None
+    max_concurrency: int | None
+    daily_token_quota: int | None
+    monthly_token_quota: int | None
+    enabled: bool
+
+
+class ApiKeyOut(BaseModel):
+    """What may be shown about a key after creation: never the key itself."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    tenant_id: int
+    prefix: str
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+
+TENANT_FIELDS = tuple(TenantCreate.model_fields)
+
+
+def tenant_fields(tenant: Any) -> dict[str, Any]:
+    """The shared field names of a tenant (ORM row or pydantic model) as a plain dict."""
+    return {field: getattr(tenant, field) for field in TENANT_FIELDS}
+
+
+# --- tenants --------------------------------------------------------------------------------
+
+
+async def create_tenant(session: AsyncSession, data: TenantCreate) -> TenantOut:
+    await _check_name_free(session, data.name)
+    tenant = Tenant(**data.model_dump())
+    session.add(tenant)
+    await _flush_or_name_taken(session, data.name)
+    return TenantOut.model_validate(tenant)
+
+
+async def list_tenants(session: AsyncSession) -> list[TenantOut]:
+    tenants = await session.scalars(select(Tenant).order_by(Tenant.id))
+    return [TenantOut.model_validate(tenant) for tenant in tenants]
+
+
+async def get_tenant(session: AsyncSession, tenant_id: int) -> TenantOut:
+    return TenantOut.model_validate(await _load_tenant(session, tenant_id))
+
+
+async def get_tenant_by_name(session: AsyncSession, name: str) -> TenantOut:
+    tenant = await session.scalar(select(Tenant).where(Tenant.name == name))
+    if tenant is None:
+        raise TenantNotFound(f"no tenant named {name!r}")
+    return TenantOut.model_validate(tenant)
+
+
+async def update_tenant(session: AsyncSession, tenant_id: int, changes: TenantUpdate) -> TenantOut:
+    """Apply `changes`; the merged tenant is validated as a whole (pydantic ValidationError)."""
+    tenant = await _load_tenant(session, tenant_id)
+    given = changes.model_dump(exclude_unset=True)
+    current = tenant_fields(tenant)
+    merged = TenantCreate.model_validate({**current, **given})
+    if "name" in given and merged.name != tenant.name:
+        await _check_name_free(session, merged.name)
+    for field in given:
+        setattr(tenant, field, getattr(merged, field))
+    await _flush_or_name_taken(session, merged.name)
+    return TenantOut.model_validate(tenant)
+
+
+async def delete_tenant(session: AsyncSession, tenant_id: int) -> None:
+    """Delete the tenant and its keys; its audit records stay."""
+    await _load_tenant(session, tenant_id)
+    await session.execute(delete(ApiKey).where(ApiKey.tenant_id == tenant_id))
+    await session.execute(delete(Tenant).where(Tenant.id == tenant_id))
+
+
+async def _load_tenant(session: AsyncSession, tenant_id: int) -> Tenant:
+    tenant = await session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise TenantNotFound(f"no tenant with id {tenant_id}")
+    return tenant
+
+
+async def _check_name_free(session: AsyncSession, name: str) -> None:
+    if await session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+        raise TenantNameTaken(f"a tenant named {name!r} already exists")
+
+
+async def _flush_or_name_taken(session: AsyncSession, name: str) -> None:
+    try:
+        await session.flush()
+    except IntegrityError as error:  # a concurrent create won the race for the name
+        raise TenantNameTaken(f"a tenant named {name!r} already exists") from error
+
+
+# --- API keys -------------------------------------------------------------------------------
+
+
+class KeyHasher:
+    """HMAC-SHA256 of API keys under a server secret; hex digests, constant-time comparison."""
+
+    def __init__(self, secret: str | bytes):
+        if not secret:
+            raise ValueError("the API key secret must not be empty")
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+
+    def hash(self, plaintext: str) -> str:
+        return hmac.new(self._secret, plaintext.encode(), hashlib.sha256).hexdigest()
+
+    def verify(self, plaintext: str, key_hash: str) -> bool:
+        return hmac.compare_digest(self.hash(plaintext), key_hash)
+
+
+def new_plaintext_key() -> str:
+    return KEY_SCHEME + secrets.token_urlsafe(KEY_SECRET_LEN * 3 // 4)
+
+
+def looks_like_key(plaintext: str) -> bool:
+    return KEY_PATTERN.fullmatch(plaintext) is not None
+
+
+async def create_key(
+    session: AsyncSession, tenant_id: int, hasher: KeyHasher
+) -> tuple[ApiKey, str]:
+    """A new key for the tenant: the stored row and the plaintext, which is never stored."""
+    await _load_tenant(session, tenant_id)
+    plaintext = new_plaintext_key()
+    key = ApiKey(
+        tenant_id=tenant_id, prefix=plaintext[:KEY_PREFIX_LEN], key_hash=hasher.hash(plaintext)
+    )
+    session.add(key)
+    await session.flush()
+    return key, plaintext
+
+
+async def list_keys(session: AsyncSession, tenant_id: int) -> list[ApiKey]:
+    await _load_tenant(session, tenant_id)
+    keys = await session.scalars(
+        select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id)
+    )
+    return list(keys)
+
+
+async def revoke_key(session: AsyncSession, key_id: int) -> ApiKey:
+    """Mark the key revoked (idempotent); every replica rejects it once its cache entry ends."""
+    key = await session.get(ApiKey, key_id)
+    if key is None:
+        raise ApiKeyNotFound(f"no API key with id {key_id}")
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        await session.flush()
+    return key
+
+
+# --- authentication -------------------------------------------------------------------------
+
+
+class AuthResult(NamedTuple):
+    tenant: TenantOut
+    key: ApiKeyOut
+
+
+@dataclass(slots=True)
+class _CacheEntry:
+    expires_at: float
+    result: AuthResult | None
+
+
+class Authenticator:
+    """Maps a bearer key to its tenant and key, or None when unknown, revoked or disabled.
+
+    Answers, found or not, are cached for at most `ttl_s` so a revocation or a disabled tenant
+    takes effect on every replica within that time. Concurrent misses for one key share a
+    single query. `last_used_at` is written in the background at most every `touch_interval_s`
+    per key. Database errors propagate (the caller answers 503).
+    """
+
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        hasher: KeyHasher,
+        *,
+        ttl_s: float = 2.0,
+        touch_interval_s: float = 60.0,
+        max_entries: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._sessionmaker = sessionmaker
+        self._hasher = hasher
+        self._ttl_s = ttl_s
+        self._touch_interval_s = touch_interval_s
+        self._max_entries = max_entries
+        self._clock = clock
+        self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
+        self._lookups: dict[str, asyncio.Task[AuthResult | None]] = {}
+        self._last_touched: dict[int, float] = {}
+        self._touches: set[asyncio.Task[None]] = set()
+
+    async def authenticate(self, plaintext: str) -> AuthResult | None:
+        if not looks_like_key(plaintext):
+            return None
+        key_hash = self._hasher.hash(plaintext)
+        result = await self._cached_or_lookup(key_hash)
+        if result is not None:
+            self._touch_if_due(result.key)
+        return result
+
+    def invalidate(self) -> None:
+        """Forget every cached answer (this replica only)."""
+        self._cache.clear()
+
+    async def close(self) -> None:
+        """Wait for pending `last_used_at` writes."""
+        if self._touches:
+            await asyncio.gather(*self._touches, return_exceptions=True)
+
+    async def _cached_or_lookup(self, key_hash: str) -> AuthResult | None:
+        entry = self._cache.get(key_hash)
+        if entry is not None and entry.expires_at > self._clock():
+            return entry.result
+        lookup = self._lookups.get(key_hash)
+        if lookup is None:
+            lookup = asyncio.ensure_future(self._lookup_and_cache(key_hash))
+            self._lookups[key_hash] = lookup
+            lookup.add_done_callback(lambda _: self._lookups.pop(key_hash, None))
+        return await asyncio.shield(lookup)
+
+    async def _lookup_and_cache(self, key_hash: str) -> AuthResult | None:
+        result = await self._lookup(key_hash)
+        self._remember(key_hash, result)
+        return result
+
+    async def _lookup(self, key_hash: str) -> AuthResult | None:
+        query = (
+            select(ApiKey, Tenant)
+            .join(Tenant, Tenant.id == ApiKey.tenant_id)
+            .where(ApiKey.key_hash == key_hash)
+        )
+        async with self._sessionmaker() as session:
+            row = (await session.execute(query)).first()
+        if row is None:
+            return None
+        key, tenant = row
+        usable = key.revoked_at is None and tenant.enabled
+        if not usable or not hmac.compare_digest(key.key_hash, key_hash):
+            return None
+        return AuthResult(TenantOut.model_validate(tenant), ApiKeyOut.model_validate(key))
+
+    def _remember(self, key_hash: str, result: AuthResult | None) -> None:
+        self._cache[key_hash] = _CacheEntry(self._clock() + self._ttl_s, result)
+        self._cache.move_to_end(key_hash)
+        while len(self._cache) > self._max_entries:
+            self._cache.popitem(last=False)
+
+    def _touch_if_due(self, key: ApiKeyOut) -> None:
+        now = self._clock()
+        last = self._last_touched.get(key.id)
+        if last is None and key.last_used_at is not None:
+            age_s = (utcnow() - key.last_used_at).total_seconds()
+            last = now - max(age_s, 0.0)
+        if last is not None and now - last < self._touch_interval_s:
+            return
+        self._last_touched[key.id] = now
+        task = asyncio.ensure_future(self._write_last_used(key.id))
+        self._touches.add(task)
+        task.add_done_callback(self._touches.discard)
+
+    async def _write_last_used(self, key_id: int) -> None:
+        try:
+            async with self._sessionmaker.begin() as session:
+                statement = update(ApiKey).where(ApiKey.id == key_id)
+                await session.execute(statement.values(last_used_at=utcnow()))
+        except Exception:  # best effort: never fails a request
+            log.warning("could not record last use of API key %s", key_id, exc_info=True)

@@ -1,0 +1,58 @@
+"""Pick the kernels for a device: Triton on CUDA (when triton imports), the torch references
+otherwise. Triton stays optional: nothing here imports it unless a CUDA device asks."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str  # "triton" or "reference"
+    store_kvcache: Callable[..., None]
+    paged_attention_decode: Callable[..., torch.Tensor]
+    paged_attention_prefill: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+REFERENCE_KERNELS = Kernels(
+    name="reference",
+    store_kvcache=reference.store_kvcache,
+    paged_attention_decode=reference.paged_attention_decode,
+    paged_attention_prefill=reference.paged_attention_prefill,
+    rms_norm=reference.rms_norm,
+    rotary_embedding=reference.rotary_embedding,
+)
+
+
+def get_kernels(device: torch.device | str) -> Kernels:
+    device = torch.device(device)
+    if device.type == "cuda":
+        triton_kernels = _triton_kernels()
+        if triton_kernels is not None:
+            return triton_kernels
+    return REFERENCE_KERNELS
+
+
+@functools.cache
+def _triton_kernels() -> Kernels | None:
+    if importlib.util.find_spec("triton") is None:
+        return None  # a bug in our kernel modules must not fall back silently, so no try/except
+    from kernels import triton_attention, triton_kvcache, triton_norm_rope
+
+    return Kernels(
+        name="triton",
+        store_kvcache=triton_kvcache.store_kvcache,
+        paged_attention_decode=triton_attention.paged_attention_decode,
+        paged_attention_prefill=triton_attention.paged_attention_prefill,
+        rms_norm=triton_norm_rope.rms_norm,
+        rotary_embedding=triton_norm_rope.rotary_embedding,
+    )

@@ -1,0 +1,199 @@
+"""Pure-torch references of the kernels: the CPU path of the engine and the oracle of the Triton tests.
+
+Shapes follow the Triton kernels exactly:
+  key/value:     [num_tokens, num_kv_heads, head_dim]
+  k/v cache:     [num_blocks, block_size, num_kv_heads, head_dim]
+  block_tables:  [num_seqs, max_blocks] int32 (entries past a sequence's end are ignored)
+  seq_lens:      [num_seqs] int32, tokens in the cache for each sequence, the current ones included
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's key/value into its cache slot; slot -1 means skip (CUDA-graph padding)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    slots = slot_mapping.long()
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+@dataclass
+class PagedPlan:
+    """Index and mask tensors for one attention call; shared by all layers of one step."""
+
+    block_ids: torch.Tensor  # [num_seqs * blocks_per_seq] blocks to gather (past the end: block 0)
+    mask: torch.Tensor  # [num_seqs, 1, max_q_len, max_kv_len] bool, True = attend
+    token_rows: torch.Tensor  # [num_tokens] row of each query in the padded [num_seqs*max_q_len]
+    num_seqs: int
+    max_q_len: int
+    max_kv_len: int
+
+
+def _gather_block_ids(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Whole blocks are gathered (one memcpy each); table entries past a sequence's end are
+    never trusted: they become block 0, whose keys the mask hides."""
+    max_kv_len = int(seq_lens.max())
+    blocks_per_seq = (max_kv_len + block_size - 1) // block_size
+    tables = block_tables[:, :blocks_per_seq].long()
+    in_use = torch.arange(blocks_per_seq, device=tables.device) * block_size < seq_lens[:, None]
+    return torch.where(in_use, tables, 0).flatten()
+
+
+def prepare_paged_plan(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+) -> PagedPlan:
+    """Plan for a ragged batch: sequence s owns queries query_start_loc[s]:query_start_loc[s+1],
+    which are its last q_len positions (causal over the cached prefix plus the chunk)."""
+    device = block_tables.device
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    seq_lens = seq_lens.long()
+    num_seqs = int(seq_lens.numel())
+    max_q_len = int(q_lens.max())
+    max_kv_len = int(seq_lens.max())
+    q_index = torch.arange(max_q_len, device=device)
+    q_pos = (seq_lens - q_lens)[:, None] + q_index  # [num_seqs, max_q_len]
+    k_pos = torch.arange(max_kv_len, device=device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]
+    # padded query rows attend to key 0 only, so their softmax stays finite; they are dropped
+    pad_rows = q_index[None, :] >= q_lens[:, None]
+    mask = torch.where(pad_rows[:, :, None], k_pos[None, None, :] == 0, mask)
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+    index_in_seq = (
+        torch.arange(int(q_lens.sum()), device=device) - query_start_loc[:-1].long()[seq_of_token]
+    )
+    return PagedPlan(
+        block_ids=_gather_block_ids(block_tables, seq_lens, block_size),
+        mask=mask[:, None],
+        token_rows=seq_of_token * max_q_len + index_in_seq,
+        num_seqs=num_seqs,
+        max_q_len=max_q_len,
+        max_kv_len=max_kv_len,
+    )
+
+
+def paged_attention_with_plan(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PagedPlan, scale: float
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    k = _gather(k_cache, plan)  # [num_seqs, num_kv_heads, max_kv_len, head_dim]
+    v = _gather(v_cache, plan)
+    if plan.max_q_len == 1:
+        q_padded = q.new_empty(plan.num_seqs, num_heads, 1, head_dim)
+        q_padded[:, :, 0] = q
+    else:
+        q_rows = q.new_zeros(plan.num_seqs * plan.max_q_len, num_heads, head_dim)
+        q_rows[plan.token_rows] = q
+        q_padded = q_rows.view(plan.num_seqs, plan.max_q_len, num_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q_padded, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+    )  # [num_seqs, num_heads, max_q_len, head_dim]
+    out = out.transpose(1, 2).reshape(plan.num_seqs * plan.max_q_len, num_heads, head_dim)
+    return out if plan.max_q_len == 1 else out[plan.token_rows]
+
+
+def _gather(cache: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = cache.view(num_blocks, -1).index_select(0, plan.block_ids)
+    seqs = blocks.view(plan.num_seqs, -1, num_kv_heads, head_dim)[:, : plan.max_kv_len]
+    return seqs.transpose(1, 2).contiguous()
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    plan = prepare_paged_plan(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
+    return paged_attention_with_plan(q, k_cache, v_cache, plan, scale)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_len - 1."""
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention_prefill(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (norm(x + residual) * weight, x + residual); residual None means zero.
+    Normalises in float32 like HF Llama, then casts back to x's dtype before the weight."""
+    if residual is not None:
+        x = x + residual
+    residual = x
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype), residual
+
+
+@dataclass
+class RotaryPlan:
+    """cos/sin rows of one step's positions in the activations' dtype (as HF Llama casts them);
+    shared by all layers."""
+
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]: cos, cos
+    sin: torch.Tensor  # [num_tokens, 1, head_dim]: -sin, sin
+
+
+def prepare_rotary(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+) -> RotaryPlan:
+    cos, sin = cos_sin_cache[positions.long()].unsqueeze(1).chunk(2, dim=-1)
+    return RotaryPlan(
+        torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+    )
+
+
+def rotary_with_plan(
+    q: torch.Tensor, k: torch.Tensor, plan: RotaryPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotate(q, plan), _rotate(k, plan)
+
+
+def _rotate(x: torch.Tensor, plan: RotaryPlan) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * plan.cos + torch.cat((x2, x1), dim=-1) * plan.sin
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style RoPE (rotate halves), as HF Llama. q: [num_tokens, num_heads, head_dim],
+    k: [num_tokens, num_kv_heads, head_dim], cos_sin_cache: [max_position, head_dim] float32
+    holding cos in the first half and sin in the second."""
+    return rotary_with_plan(q, k, prepare_rotary(positions, cos_sin_cache, q.dtype))

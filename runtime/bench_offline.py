@@ -1,0 +1,449 @@
+"""`conveyor bench offline`: one workload, one model, one dtype, one machine, four ways:
+
+  1. Conveyor continuous batching (the engine's default scheduler)
+  2. Conveyor static batching (`scheduling="static"`, same loaded engine, fresh scheduler)
+  3. transformers `generate` in static batches with exactly Conveyor static's batch membership
+     (left padding; each batch runs to its longest request; only asked-for tokens count)
+  4. transformers continuous batching (`continuous_batching_context_manager`, per-request
+     max_new_tokens, KV cache of the same size as Conveyor's)
+
+plus the fraction of the compute roofline and the KV-cache waste at peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.benchmark import (
+    build_engine,
+    format_table,
+    log_uniform_lengths,
+    measure_matmul_flops,
+    progress,
+    random_prompt,
+    ratio,
+    reset_scheduler,
+)
+from scheduler.request import SamplingParams
+
+TARGETS = {
+    "vs_transformers_static": 5.0,
+    "vs_transformers_generate_batch": 3.0,
+    "roofline_fraction": 0.25,
+    "kv_waste_at_peak": 0.04,
+}
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    source: str
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    def summary(self) -> dict:
+        prompt_lens = [len(p) for p in self.prompts]
+        return {
+            "source": self.source,
+            "num_requests": self.num_requests,
+            "prompt_tokens": sum(prompt_lens),
+            "output_tokens": sum(self.output_lens),
+            "prompt_len_min_max": [min(prompt_lens), max(prompt_lens)],
+            "output_len_min_max": [min(self.output_lens), max(self.output_lens)],
+        }
+
+
+@dataclass
+class SystemRun:
+    name: str
+    seconds: float
+    output_tokens: int
+    details: dict = field(default_factory=dict)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+# ---- workload -------------------------------------------------------------------------------
+def synthetic_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    rng = random.Random(args.seed)
+    n = args.num_prompts
+    prompt_lens = log_uniform_lengths(rng, args.min_prompt_len, args.max_prompt_len, n)
+    output_lens = log_uniform_lengths(rng, args.min_output_len, args.max_output_len, n)
+    prompts = [random_prompt(rng, length, vocab_size) for length in prompt_lens]
+    source = (
+        f"synthetic seed={args.seed} prompt {args.min_prompt_len}-{args.max_prompt_len} "
+        f"output {args.min_output_len}-{args.max_output_len} log-uniform"
+    )
+    return Workload(prompts, output_lens, source)
+
+
+def file_workload(engine, path: str) -> Workload:
+    """The requests of a `conveyor generate` JSONL file; lines that cannot run are skipped."""
+    from runtime.offline import parse_line
+
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    items = [parse_line(engine, i, line) for i, line in enumerate(lines)]
+    for item in items:
+        if item.error:
+            progress(f"skipped: {item.error}")
+    good = [item for item in items if item.error is None]
+    prompts = [item.prompt_token_ids for item in good]
+    return Workload(prompts, [item.params.max_tokens for item in good], f"file {path}")
+
+
+def benchmark_params(max_tokens: int) -> SamplingParams:
+    """Greedy and ignore_eos, so every system produces exactly the asked-for tokens."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+# ---- KV-cache waste -------------------------------------------------------------------------
+class KVWasteTracker:
+    """After each step: allocated GPU slots (blocks with a reference x block size) against slots
+    holding computed KV. Waste is reported at the step of peak allocation, and on average."""
+
+    def __init__(self, block_manager) -> None:
+        self.block_manager = block_manager
+        self.peak_blocks = 0
+        self.waste_at_peak = 0.0
+        self.total_allocated_slots = 0
+        self.total_unused_slots = 0
+        self.seconds = 0.0  # time spent observing, taken out of the measured run
+
+    def observe(self, running) -> None:
+        start = time.perf_counter()
+        bm = self.block_manager
+        allocated_blocks = bm.num_gpu_blocks - bm.num_free_gpu_blocks
+        allocated_slots = allocated_blocks * bm.block_size
+        unused = allocated_slots - self._used_slots(running, bm.block_size)
+        self.total_allocated_slots += allocated_slots
+        self.total_unused_slots += unused
+        if allocated_blocks > self.peak_blocks:
+            self.peak_blocks = allocated_blocks
+            self.waste_at_peak = unused / allocated_slots
+        self.seconds += time.perf_counter() - start
+
+    @staticmethod
+    def _used_slots(running, block_size: int) -> int:
+        """Slots with computed KV, each shared (prefix-cached) block counted once."""
+        fill: dict[int, int] = {}
+        for request in running:
+            num_computed = request.num_computed_tokens
+            for i, block_id in enumerate(request.block_ids):
+                filled = min(block_size, max(0, num_computed - i * block_size))
+                fill[block_id] = max(fill.get(block_id, 0), filled)
+        return sum(fill.values())
+
+    def summary(self) -> dict:
+        return {
+            "peak_allocated_blocks": self.peak_blocks,
+            "num_gpu_blocks": self.block_manager.num_gpu_blocks,
+            "block_size": self.block_manager.block_size,
+            "waste_at_peak": self.waste_at_peak,
+            "mean_waste": self.total_unused_slots / max(self.total_allocated_slots, 1),
+        }
+
+
+# ---- Conveyor -------------------------------------------------------------------------------
+def run_conveyor(engine, workload: Workload, policy: str) -> tuple[SystemRun, list, KVWasteTracker]:
+    reset_scheduler(engine, policy=policy)
+    tracker = KVWasteTracker(engine.block_manager)
+    step_seconds = []
+    start = time.perf_counter()
+    requests = [
+        engine.add_request(prompt, benchmark_params(n), request_id=f"{policy}-{i}")
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens))
+    ]
+    while engine.has_unfinished():
+        step_start = time.perf_counter()
+        engine.step()
+        step_seconds.append(time.perf_counter() - step_start)
+        tracker.observe(engine.scheduler.running)
+    seconds = time.perf_counter() - start - tracker.seconds
+    output_tokens = sum(r.num_output_tokens for r in requests)
+    assert output_tokens == sum(workload.output_lens), "a request stopped early"
+    details = {
+        "num_steps": len(step_seconds),
+        "mean_step_ms": 1e3 * sum(step_seconds) / max(len(step_seconds), 1),
+        "tokens_per_step": (sum(workload.output_lens) + sum(map(len, workload.prompts)))
+        / max(len(step_seconds), 1),
+        "num_preemptions": dict(engine.scheduler.num_preemptions),
+    }
+    run = SystemRun(f"conveyor_{policy}", seconds, output_tokens, details)
+    return run, requests, tracker
+
+
+def static_batches(requests) -> list[list[int]]:
+    """Indices of the requests that Conveyor static admitted together (same first schedule)."""
+    groups: dict[float, list[int]] = {}
+    for index, request in enumerate(requests):
+        groups.setdefault(request.first_scheduled_time, []).append(index)
+    return [groups[t] for t in sorted(groups)]
+
+
+# ---- transformers ---------------------------------------------------------------------------
+def load_transformers_model(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, attn_implementation="sdpa"
+    )
+    return model.to("cpu").eval()
+
+
+def generate_padded(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int) -> None:
+    """One static batch through `generate`: left padding, greedy, exactly max_new_tokens each."""
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,  # suppresses EOS: the ignore_eos of the other systems
+        pad_token_id=pad_id,
+    )
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+    assert out.shape[1] == width + max_new_tokens, out.shape
+
+
+def run_transformers_static(model, workload: Workload, batches: list[list[int]]) -> SystemRun:
+    generate_padded(model, [workload.prompts[0][:8]], 2, pad_id=0)  # warm-up
+    start = time.perf_counter()
+    for number, batch in enumerate(batches):
+        prompts = [workload.prompts[i] for i in batch]
+        generate_padded(model, prompts, max(workload.output_lens[i] for i in batch), pad_id=0)
+        progress(f"  transformers static: batch {number + 1}/{len(batches)} done")
+    seconds = time.perf_counter() - start
+    details = {"batch_sizes": [len(b) for b in batches]}
+    return SystemRun("transformers_static", seconds, sum(workload.output_lens), details)
+
+
+def run_transformers_continuous(model, workload: Workload, engine) -> SystemRun:
+    """transformers' own continuous batching, one add_request per request (its max_new_tokens),
+    a paged KV cache of the same bytes as Conveyor's, the same token budget and slot cap."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen_config = GenerationConfig(
+        do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1, pad_token_id=0
+    )
+    cb_config = ContinuousBatchingConfig(
+        num_blocks=hf_num_blocks(engine, ContinuousBatchingConfig.page_size),
+        max_batch_tokens=engine.config.max_batch_tokens,
+        max_requests_per_batch=engine.config.max_num_seqs,
+    )
+    with model.continuous_batching_context_manager(
+        generation_config=gen_config, continuous_batching_config=cb_config, timeout=60
+    ) as manager:
+        start = time.perf_counter()
+        ids = [
+            manager.add_request(prompt, max_new_tokens=n, eos_token_id=-1)
+            for prompt, n in zip(workload.prompts, workload.output_lens)
+        ]
+        results = collect_results(manager, set(ids))
+        seconds = time.perf_counter() - start
+    output_tokens = sum(len(results[i].generated_tokens) for i in ids)
+    assert output_tokens == sum(workload.output_lens), "generate_batch stopped a request early"
+    details = {"page_size": cb_config.page_size, "num_blocks": cb_config.num_blocks}
+    return SystemRun("transformers_generate_batch", seconds, output_tokens, details)
+
+
+def hf_num_blocks(engine, page_size: int) -> int:
+    mc = engine.runner.model_config
+    bytes_per_token = (
+        2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * engine.runner.dtype.itemsize
+    )
+    return max(1, engine.runner.kv_cache.gpu.nbytes // (page_size * bytes_per_token))
+
+
+def collect_results(manager, pending: set[str]) -> dict:
+    results = {}
+    while pending:
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+            continue
+        if result.is_finished() and result.request_id in pending:
+            if result.error is not None:
+                raise RuntimeError(f"transformers request failed: {result.error}")
+            results[result.request_id] = result
+            pending.discard(result.request_id)
+    return results
+
+
+# ---- the benchmark --------------------------------------------------------------------------
+def run_offline_bench(args: argparse.Namespace) -> dict:
+    engine = build_engine(args)
+    dtype = engine.runner.dtype
+    vocab_size = engine.runner.model_config.vocab_size
+    workload = (
+        file_workload(engine, args.input) if args.input else synthetic_workload(args, vocab_size)
+    )
+    progress(f"workload: {workload.summary()}")
+    matmul_samples = [sample_matmul_flops(dtype)]
+    runs, kv = run_conveyor_systems(engine, workload)
+    matmul_samples.append(sample_matmul_flops(dtype))
+    if not args.skip_transformers:
+        runs += run_transformers_systems(engine, workload, runs[1].details["batches"])
+        matmul_samples.append(sample_matmul_flops(dtype))
+    return build_result(args, engine, workload, runs, kv, matmul_samples)
+
+
+def sample_matmul_flops(dtype: torch.dtype) -> float:
+    """Sampled before, between and after the runs: the best sample is the machine's rate (a
+    sample slowed by other load would flatter the roofline fraction)."""
+    flops = measure_matmul_flops(dtype)
+    progress(f"matmul: {flops / 1e9:.0f} GFLOP/s in {dtype}")
+    return flops
+
+
+def run_conveyor_systems(engine, workload: Workload) -> tuple[list[SystemRun], KVWasteTracker]:
+    progress("conveyor continuous ...")
+    continuous, _, kv = run_conveyor(engine, workload, engine.config.scheduling)
+    continuous.name = "conveyor_continuous"
+    progress(f"  {continuous.output_tokens_per_s:.1f} output tok/s")
+    progress("conveyor static ...")
+    static, requests, _ = run_conveyor(engine, workload, "static")
+    static.details["batches"] = static_batches(requests)
+    static.details["batch_sizes"] = [len(b) for b in static.details["batches"]]
+    progress(f"  {static.output_tokens_per_s:.1f} output tok/s")
+    reset_scheduler(engine, policy=engine.config.scheduling)
+    return [continuous, static], kv
+
+
+def run_transformers_systems(engine, workload: Workload, batches) -> list[SystemRun]:
+    model = load_transformers_model(engine.model_dir, engine.runner.dtype)
+    progress("transformers generate, static batches ...")
+    static = run_transformers_static(model, workload, batches)
+    progress(f"  {static.output_tokens_per_s:.1f} output tok/s")
+    progress("transformers generate_batch (continuous) ...")
+    continuous = run_transformers_continuous(model, workload, engine)
+    progress(f"  {continuous.output_tokens_per_s:.1f} output tok/s")
+    return [static, continuous]
+
+
+def build_result(args, engine, workload, runs, kv: KVWasteTracker, matmul_samples) -> dict:
+    matmul_flops = max(matmul_samples)
+    by_name = {run.name: run for run in runs}
+    conveyor = by_name["conveyor_continuous"].output_tokens_per_s
+    flops_per_token = 2 * engine.runner.model_config.num_parameters
+    all_tokens = workload.summary()["prompt_tokens"] + workload.summary()["output_tokens"]
+    all_tokens_per_s = all_tokens / by_name["conveyor_continuous"].seconds
+    for run in runs:
+        run.details.pop("batches", None)
+    result = {
+        "command": "conveyor bench offline",
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "machine": machine_facts(engine),
+        "workload": workload.summary(),
+        "systems": {run.name: system_entry(run, conveyor) for run in runs},
+        "roofline": {
+            "num_parameters": engine.runner.model_config.num_parameters,
+            "flops_per_output_token": flops_per_token,
+            "matmul_flops_per_s": matmul_flops,
+            "matmul_flops_per_s_samples": matmul_samples,
+            "roofline_output_tokens_per_s": matmul_flops / flops_per_token,
+            "fraction": conveyor * flops_per_token / matmul_flops,
+            "fraction_counting_prompt_tokens": all_tokens_per_s * flops_per_token / matmul_flops,
+        },
+        "kv_cache": kv.summary(),
+    }
+    result["targets"] = check_targets(result)
+    return result
+
+
+def system_entry(run: SystemRun, conveyor_tokens_per_s: float) -> dict:
+    return {
+        "seconds": run.seconds,
+        "output_tokens": run.output_tokens,
+        "output_tokens_per_s": run.output_tokens_per_s,
+        "conveyor_continuous_speedup": ratio(conveyor_tokens_per_s, run.output_tokens_per_s),
+        **run.details,
+    }
+
+
+def machine_facts(engine) -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "device": str(engine.runner.device),
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "model": engine.model_name,
+    }
+
+
+def check_targets(result: dict) -> dict:
+    systems = result["systems"]
+
+    def speedup(name: str) -> float | None:
+        return systems[name]["conveyor_continuous_speedup"] if name in systems else None
+
+    measured = {
+        "vs_transformers_static": speedup("transformers_static"),
+        "vs_transformers_generate_batch": speedup("transformers_generate_batch"),
+        "roofline_fraction": result["roofline"]["fraction"],
+        "kv_waste_at_peak": result["kv_cache"]["waste_at_peak"],
+    }
+    met = {
+        name: None
+        if value is None
+        else (value < TARGETS[name] if name == "kv_waste_at_peak" else value >= TARGETS[name])
+        for name, value in measured.items()
+    }
+    return {"target": TARGETS, "measured": measured, "met": met}
+
+
+def print_offline_report(result: dict) -> None:
+    rows = [
+        [
+            name,
+            s["seconds"],
+            s["output_tokens"],
+            s["output_tokens_per_s"],
+            s["conveyor_continuous_speedup"],
+        ]
+        for name, s in result["systems"].items()
+    ]
+    header = ["system", "seconds", "output tokens", "output tok/s", "conveyor continuous x"]
+    machine, roof, kv = result["machine"], result["roofline"], result["kv_cache"]
+    print(f"model {machine['model']}, {machine['dtype']}, {machine['torch_threads']} threads")
+    print(f"workload: {result['workload']}")
+    print(format_table(header, rows))
+    print(
+        f"roofline: {roof['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s matmul, "
+        f"{roof['flops_per_output_token'] / 1e6:.0f} MFLOP/token -> "
+        f"{roof['roofline_output_tokens_per_s']:.0f} output tok/s; Conveyor reaches "
+        f"{100 * roof['fraction']:.1f}% ({100 * roof['fraction_counting_prompt_tokens']:.1f}% "
+        "counting prompt tokens too)"
+    )
+    print(
+        f"KV cache: waste at peak {100 * kv['waste_at_peak']:.2f}% "
+        f"({kv['peak_allocated_blocks']} of {kv['num_gpu_blocks']} blocks), "
+        f"mean {100 * kv['mean_waste']:.2f}%"
+    )
+    targets = result["targets"]
+    for name, met in targets["met"].items():
+        value = targets["measured"][name]
+        shown = "-" if value is None else f"{value:.3g}"
+        verdict = "" if met is None else ("met" if met else "MISSED")
+        print(f"target {name}: {TARGETS[name]}, measured {shown} {verdict}")

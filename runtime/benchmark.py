@@ -1,0 +1,207 @@
+"""`conveyor bench offline` and `conveyor bench priority`: the command line and what both share.
+
+The runs themselves live in runtime/bench_offline.py (throughput against transformers) and
+runtime/bench_priority.py (latency under load, preemption, tenant fair share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.config import EngineConfig
+
+
+# ---- command line ---------------------------------------------------------------------------
+def register_bench(bench_subparsers) -> None:
+    register_offline(bench_subparsers)
+    register_priority(bench_subparsers)
+
+
+def register_offline(sub) -> None:
+    p = sub.add_parser(
+        "offline",
+        help="throughput: Conveyor continuous and static vs transformers generate and generate_batch",
+    )
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input", default=None, help="JSONL requests (as `conveyor generate` reads)")
+    p.add_argument("--min-prompt-len", type=int, default=16)
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--min-output-len", type=int, default=8)
+    p.add_argument("--max-output-len", type=int, default=512)
+    p.add_argument("--skip-transformers", action="store_true", help="run only Conveyor")
+    add_common_args(p)
+    EngineConfig.add_cli_args(p)  # its --seed also seeds the synthetic workload
+    p.set_defaults(func=cmd_offline)
+
+
+def register_priority(sub) -> None:
+    p = sub.add_parser(
+        "priority",
+        help="interactive TTFT under batch load, preemption modes, tenant fair share",
+    )
+    p.add_argument("--num-batch-requests", type=int, default=None, help="default: 3 x max-num-seqs")
+    p.add_argument("--batch-prompt-len", type=int, default=128)
+    p.add_argument("--batch-output-len", type=int, default=256)
+    p.add_argument("--batch-priority", type=int, default=10)
+    p.add_argument("--num-interactive", type=int, default=20)
+    p.add_argument("--interactive-interval", type=float, default=0.5, help="seconds between")
+    p.add_argument("--interactive-prompt-len", type=int, default=64)
+    p.add_argument("--interactive-output-len", type=int, default=16)
+    p.add_argument(
+        "--preemption-modes",
+        default="auto,swap,recompute",
+        help="comma-separated modes: the loaded phase runs once per mode",
+    )
+    p.add_argument(
+        "--num-fairness-requests",
+        type=int,
+        default=None,
+        help="per tenant; default 2 x max-num-seqs",
+    )
+    p.add_argument("--fairness-prompt-len", type=int, default=64)
+    p.add_argument(
+        "--fairness-output-len",
+        type=int,
+        default=64,
+        help="mean; lengths spread uniformly over half to 1.5 times it, the same list per tenant",
+    )
+    add_common_args(p)
+    EngineConfig.add_cli_args(p)
+    # a small running-slot cap saturates the engine with a workload a 2-core CPU can run
+    p.set_defaults(func=cmd_priority, max_num_seqs=16)
+
+
+def add_common_args(p) -> None:
+    p.add_argument("--save-result", default=None, metavar="PATH", help="write the result JSON")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from runtime.bench_offline import print_offline_report, run_offline_bench
+
+    apply_threads(args)
+    result = run_offline_bench(args)
+    print_offline_report(result)
+    save_result(args.save_result, result)
+    return 0
+
+
+def cmd_priority(args: argparse.Namespace) -> int:
+    from runtime.bench_priority import print_priority_report, run_priority_bench
+
+    apply_threads(args)
+    result = run_priority_bench(args)
+    print_priority_report(result)
+    save_result(args.save_result, result)
+    return 0
+
+
+# ---- shared helpers -------------------------------------------------------------------------
+def build_engine(args: argparse.Namespace):
+    from runtime.engine import Engine
+
+    return Engine(EngineConfig.from_args(args))
+
+
+def reset_scheduler(engine, **config_changes: Any) -> None:
+    """Give the loaded engine a fresh scheduler and block manager (empty prefix cache) with
+    some scheduler settings changed, e.g. policy="static": no model reload between runs."""
+    from scheduler.block_manager import BlockManager
+    from scheduler.scheduler import Scheduler
+
+    assert not engine.has_unfinished(), "reset only an idle engine"
+    old = engine.block_manager
+    engine.block_manager = BlockManager(
+        old.num_gpu_blocks, old.block_size, old.num_cpu_blocks, old.enable_prefix_caching
+    )
+    config = replace(engine.scheduler.config, **config_changes)
+    engine.scheduler = Scheduler(config, engine.block_manager, engine.scheduler.cost_model)
+
+
+def abort_all(engine) -> None:
+    for request_id in list(engine.scheduler.requests):
+        engine.abort(request_id)
+
+
+def log_uniform_lengths(rng: random.Random, low: int, high: int, count: int) -> list[int]:
+    """Integers in [low, high] whose logarithm is uniform."""
+    log_low, log_high = math.log(low), math.log(high + 1)
+    return [min(high, int(math.exp(rng.uniform(log_low, log_high)))) for _ in range(count)]
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    """Random token ids, away from the special tokens at the start of the vocabulary."""
+    low = min(256, vocab_size // 2)
+    return [rng.randrange(low, vocab_size) for _ in range(length)]
+
+
+def measure_matmul_flops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of a large square torch.matmul in `dtype` on this machine's CPU threads."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.matmul(a, b)  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated q-th percentile (0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def format_table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def save_result(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+        progress(f"result written to {path}")

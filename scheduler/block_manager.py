@@ -1,0 +1,177 @@
+"""KV block ids and refcounts for the GPU pool and the CPU swap pool, with prefix caching.
+
+Invariants:
+  - a GPU block is either referenced (refcount > 0) or in `free_blocks`, never both;
+  - a free block may still carry a hash and be found by prefix lookups until it is reused
+    (least recently freed first out);
+  - block i of a request holds its tokens [i * block_size, (i + 1) * block_size).
+Tensors belong to runtime/; this class only hands out ids.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from scheduler.request import Request
+
+NO_HASH = None
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_gpu_blocks
+        self.block_hash: list[int | None] = [NO_HASH] * num_gpu_blocks
+        self.cached_blocks: dict[int, int] = {}  # hash -> gpu block id
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_gpu_blocks))
+        self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.num_prefix_queries = 0  # tokens looked up
+        self.num_prefix_hits = 0  # tokens found
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.free_cpu_blocks)
+
+    @property
+    def gpu_usage(self) -> float:
+        return 1.0 - self.num_free_gpu_blocks / max(self.num_gpu_blocks, 1)
+
+    @property
+    def cpu_usage(self) -> float:
+        return 1.0 - self.num_free_cpu_blocks / max(self.num_cpu_blocks, 1)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def hash_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Extend request.block_hashes over the full blocks of its first num_tokens tokens."""
+        if not self.enable_prefix_caching:
+            return
+        tokens = None
+        num_full = num_tokens // self.block_size
+        while len(request.block_hashes) < num_full:
+            tokens = tokens or request.all_token_ids
+            i = len(request.block_hashes)
+            parent = request.block_hashes[-1] if i else 0
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            request.block_hashes.append(hash((parent, chunk)))
+
+    def find_cached_blocks(self, request: Request) -> list[int]:
+        """GPU blocks holding the longest cached prefix; the last token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        num_full = (request.num_tokens - 1) // self.block_size
+        self.hash_full_blocks(request, num_full * self.block_size)
+        hits = []
+        for block_hash in request.block_hashes[:num_full]:
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _register(self, block_id: int, block_hash: int) -> None:
+        if block_hash not in self.cached_blocks:
+            self.cached_blocks[block_hash] = block_id
+            self.block_hash[block_id] = block_hash
+
+    # ---- allocation -------------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        old_hash = self.block_hash[block_id]
+        if old_hash is not NO_HASH:
+            if self.cached_blocks.get(old_hash) == block_id:
+                del self.cached_blocks[old_hash]
+            self.block_hash[block_id] = NO_HASH
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def _touch(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.free_blocks[block_id]
+        self.ref_counts[block_id] += 1
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_cached: int = 0) -> int:
+        total = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(request.block_ids) - num_cached)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        num_evictable_hits = sum(1 for b in cached if self.ref_counts[b] == 0)
+        needed = self.num_blocks_needed(request, num_new_tokens, len(cached))
+        return needed + num_evictable_hits <= self.num_free_gpu_blocks
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Give the request blocks for num_new_tokens more tokens (after taking the cached prefix
+        blocks `cached`, which must directly follow its current blocks). False changes nothing."""
+        if not self.can_allocate(request, num_new_tokens, cached):
+            return False
+        for block_id in cached:
+            self._touch(block_id)
+        request.block_ids.extend(cached)
+        needed = self.num_blocks_needed(request, num_new_tokens)
+        request.block_ids.extend(self._take_free_block() for _ in range(needed))
+        self._cache_computed_blocks(request, request.num_computed_tokens + num_new_tokens)
+        return True
+
+    def _cache_computed_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        self.hash_full_blocks(request, num_tokens)
+        for block_id, block_hash in zip(request.block_ids, request.block_hashes):
+            if self.block_hash[block_id] is NO_HASH:
+                self._register(block_id, block_hash)
+
+    def free(self, request: Request) -> None:
+        """Release the request's GPU blocks, last block first out of the cache."""
+        for block_id in reversed(request.block_ids):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
+                self.free_blocks[block_id] = None
+        request.block_ids = []
+        self.free_cpu(request)
+
+    def free_cpu(self, request: Request) -> None:
+        self.free_cpu_blocks.extend(reversed(request.cpu_block_ids))
+        request.cpu_block_ids = []
+
+    # ---- swapping ---------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return len(request.block_ids) <= self.num_free_cpu_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to the CPU pool; returns (gpu, cpu) copies to make."""
+        assert self.can_swap_out(request)
+        cpu_ids = [self.free_cpu_blocks.pop() for _ in request.block_ids]
+        mapping = list(zip(request.block_ids, cpu_ids))
+        self.free(request)
+        request.cpu_block_ids = cpu_ids
+        return mapping
+
+    def can_swap_in(self, request: Request) -> bool:
+        return len(request.cpu_block_ids) <= self.num_free_gpu_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request back to fresh GPU blocks; returns (cpu, gpu) copies to make."""
+        assert self.can_swap_in(request) and not request.block_ids
+        gpu_ids = [self._take_free_block() for _ in request.cpu_block_ids]
+        mapping = list(zip(request.cpu_block_ids, gpu_ids))
+        self.free_cpu(request)
+        request.block_ids = gpu_ids
+        self._cache_computed_blocks(request, request.num_computed_tokens)
+        return mapping

@@ -1,0 +1,145 @@
+"""The one mutable truth about a request: what was asked, where it stands, what it produced.
+
+The scheduler writes scheduling state; the runtime reads it and appends sampled tokens.
+No torch here: the scheduler must stay a pure-Python state machine.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap-out: its KV blocks live in the CPU pool
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range; the message names the field."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the chosen one
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        checks = [
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("temperature", 0.0 <= self.temperature <= 100.0, "must be between 0 and 100"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be -1, 0 or positive"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("n", 1 <= self.n <= 8, "must be between 1 and 8"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+        ]
+        if vocab_size is not None:
+            ok = all(0 <= t < vocab_size for t in self.stop_token_ids)
+            checks.append(("stop_token_ids", ok, f"must be token ids below {vocab_size}"))
+        for name, ok, message in checks:
+            if not ok:
+                raise SamplingParamsError(f"'{name}' {message}")
+
+
+_request_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower = more urgent
+    tenant: str = "default"
+    weight: float = 1.0  # tenant fair-share weight
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: tuple[int, ...] = ()
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_prefix_tokens: int = 0  # prefix-cache hits at the last admission
+    block_ids: list[int] = field(default_factory=list)  # GPU block table
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of its full blocks
+    cpu_block_ids: list[int] = field(default_factory=list)  # while swapped
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    events: list[Any] = field(default_factory=list)
+    seq: int = field(default_factory=lambda: next(_request_counter))  # FIFO tie-breaker
+    output_text: str = ""
+    first_scheduled_time: float | None = None
+    preempted_mode: str | None = None  # "swap" or "recompute" while preempted
+    admitted_priority: int | None = None  # effective (aged) priority when last admitted
+    wait_reason: str | None = None  # last recorded reason it could not be scheduled
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1

@@ -1,0 +1,468 @@
+"""Token-level continuous batching with priorities, tenant fair share and preemption.
+
+Each step hands out a token budget: running requests first (most urgent first; a decode is one
+token, a prefill a chunk), then the waiting line (recompute-preempted and new requests) and the
+swapped requests, merged in one order: priority, then the tenant's weighted service, then arrival.
+A more urgent request that cannot get a running slot or KV blocks preempts strictly less urgent
+running requests; a running request that cannot grow preempts the least urgent one, maybe itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler import events as ev
+from scheduler.block_manager import BlockManager
+from scheduler.request import Request, RequestStatus
+
+POLICIES = ("priority", "fcfs", "static")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_batch_tokens: int = 2048
+    max_model_len: int = 8192
+    policy: str = "priority"
+    preemption_mode: str = "auto"
+    priority_aging_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, not {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}")
+        if self.max_num_seqs < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_num_seqs and max_batch_tokens must be positive")
+
+
+@dataclass
+class PreemptionCostModel:
+    """Numbers measured by the runtime at start-up; the scheduler compares seconds."""
+
+    bytes_per_block: int = 0
+    copy_bytes_per_s: float = 1e10
+    prefill_tokens_per_s: float = 1e4
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 2 * num_blocks * self.bytes_per_block / self.copy_bytes_per_s  # out and back in
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    preempted: list[Request] = field(default_factory=list)
+    budget: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        cost_model: PreemptionCostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.cost_model = cost_model or PreemptionCostModel()
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.tenant_service: dict[str, float] = defaultdict(float)  # weighted tokens served
+        self.num_preemptions = {"swap": 0, "recompute": 0}
+
+    # ---- ordering ---------------------------------------------------------------------------
+    def effective_priority(self, request: Request, now: float) -> int:
+        """With aging, a waiting request gains a level per `priority_aging_s` since it arrived;
+        a running one keeps the level it was admitted at."""
+        aging = self.config.priority_aging_s
+        if not aging or self.config.policy != "priority":
+            return request.priority
+        if request.status is RequestStatus.RUNNING and request.admitted_priority is not None:
+            return request.admitted_priority
+        return request.priority - int((now - request.arrival_time) / aging)
+
+    def urgency(self, request: Request, now: float) -> tuple:
+        """Smaller is more urgent; the largest is the first preemption victim."""
+        if self.config.policy == "priority":
+            return (self.effective_priority(request, now), request.arrival_time, request.seq)
+        return (request.arrival_time, request.seq)
+
+    def line_key(self, request: Request, now: float) -> tuple:
+        if self.config.policy != "priority":
+            return (request.arrival_time, request.seq)
+        service = self.tenant_service[request.tenant]
+        return (self.effective_priority(request, now), service, request.arrival_time, request.seq)
+
+    def more_urgent(self, request: Request, than: Request, now: float) -> bool:
+        if self.config.policy != "priority":
+            return False
+        return self.effective_priority(request, now) < self.effective_priority(than, now)
+
+    # ---- requests in and out ----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self._start_fair_share(request.tenant)
+        now = self.clock()
+        key = self.line_key(request, now)
+        ahead = [r for r in self.waiting + self.swapped if self.line_key(r, now) < key]
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        ev.emit(
+            request,
+            ev.QUEUED,
+            now,
+            position=len(ahead),
+            num_ahead=len(ahead),
+            num_running=len(self.running),
+            ahead_tenants=sorted({r.tenant for r in ahead}),
+            ahead_priorities=sorted({r.priority for r in ahead}),
+        )
+
+    def _start_fair_share(self, tenant: str) -> None:
+        """A tenant new to the line starts at the current minimum, so it cannot bank credit."""
+        if tenant in self.tenant_service:
+            return
+        active = {r.tenant for r in self.requests.values()}
+        floor = min(
+            (self.tenant_service[t] for t in active if t in self.tenant_service), default=0.0
+        )
+        self.tenant_service[tenant] = floor
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        ev.emit(request, ev.ABORTED, self.clock(), status=request.status.value)
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        self.block_manager.free(request)
+        request.status = status
+        self.requests.pop(request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        out = SchedulerOutput(budget=self.config.max_batch_tokens)
+        self._schedule_running(out, now)
+        if self.config.policy != "static" or not self.running:
+            self._schedule_line(out, now)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, now: float) -> None:
+        for request in sorted(self.running, key=lambda r: self.urgency(r, now)):
+            if request.status is not RequestStatus.RUNNING or out.budget == 0:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, out.budget)
+            if self._exceeds_cache(request, num_new):
+                self._finish_out_of_cache(request, now)
+                continue
+            while not self.block_manager.allocate(request, num_new):
+                victim = self._least_urgent_unscheduled(out, now)
+                self._preempt(victim, by=request, out=out, now=now)
+                if victim is request:
+                    break
+            else:
+                self._add_to_step(out, request, num_new, now)
+
+    def _exceeds_cache(self, request: Request, num_new: int) -> bool:
+        bm = self.block_manager
+        return bm.num_blocks_for(request.num_computed_tokens + num_new) > bm.num_gpu_blocks
+
+    def _finish_out_of_cache(self, request: Request, now: float) -> None:
+        """The whole KV cache cannot hold the request's next token: it ends as if at max length."""
+        bm = self.block_manager
+        needed = bm.num_blocks_for(request.num_tokens)
+        self._record_wait(
+            request, ev.WAITING_FOR_KV, now, blocks_needed=needed, blocks_free=bm.num_gpu_blocks
+        )
+        self.finish_with_event(request, RequestStatus.FINISHED_LENGTH)
+
+    def _least_urgent_unscheduled(self, out: SchedulerOutput, now: float) -> Request:
+        scheduled = {id(r) for r, _ in out.scheduled}
+        candidates = [r for r in self.running if id(r) not in scheduled]
+        return max(candidates, key=lambda r: self.urgency(r, now))
+
+    def _schedule_line(self, out: SchedulerOutput, now: float) -> None:
+        line = sorted(self.waiting + self.swapped, key=lambda r: self.line_key(r, now))
+        for index, request in enumerate(line):
+            if out.budget == 0:
+                for behind in line[index:]:
+                    self._record_wait(
+                        behind,
+                        ev.WAITING_FOR_BUDGET,
+                        now,
+                        max_batch_tokens=self.config.max_batch_tokens,
+                        num_scheduled=len(out.scheduled),
+                    )
+                return
+            blocker = self._preempted_ahead_of(request, out, now)
+            if blocker is None and self._admit(request, out, now):
+                continue
+            blocker = blocker or request
+            for behind in line[index + (blocker is request) :]:
+                self._record_wait(
+                    behind,
+                    ev.WAITING_BEHIND,
+                    now,
+                    by=blocker.request_id,
+                    by_tenant=blocker.tenant,
+                    by_priority=blocker.priority,
+                )
+            return
+
+    def _preempted_ahead_of(
+        self, request: Request, out: SchedulerOutput, now: float
+    ) -> Request | None:
+        """A request preempted this step keeps its place: nobody behind it gets in now."""
+        key = self.line_key(request, now)
+        return next((r for r in out.preempted if self.line_key(r, now) <= key), None)
+
+    def _admit(self, request: Request, out: SchedulerOutput, now: float) -> bool:
+        if not self._make_room_for_slot(request, out, now):
+            self._record_wait(request, ev.WAITING_FOR_SLOT, now, num_running=len(self.running))
+            return False
+        if request.status is RequestStatus.SWAPPED:
+            return self._swap_in(request, out, now)
+        if (
+            self.block_manager.num_blocks_for(request.num_tokens)
+            > self.block_manager.num_gpu_blocks
+        ):
+            self._finish_out_of_cache(request, now)  # a recomputed request that outgrew the cache
+            return True
+        cached = self.block_manager.find_cached_blocks(request)
+        num_cached_tokens = len(cached) * self.block_manager.block_size
+        num_new = min(request.num_tokens - num_cached_tokens, out.budget)
+        request.num_computed_tokens = num_cached_tokens
+        if not self._make_room_for_blocks(request, num_new, cached, out, now):
+            request.num_computed_tokens = 0
+            return False
+        self.block_manager.allocate(request, num_new, cached)
+        self.block_manager.num_prefix_queries += request.num_tokens
+        self.block_manager.num_prefix_hits += num_cached_tokens
+        request.num_cached_prefix_tokens = num_cached_tokens
+        self.waiting.remove(request)
+        self._start_running(request, now)
+        self._add_to_step(out, request, num_new, now)
+        return True
+
+    def _swap_in(self, request: Request, out: SchedulerOutput, now: float) -> bool:
+        num_new = min(request.num_tokens - request.num_computed_tokens, out.budget)
+        extra = self.block_manager.num_blocks_for(request.num_computed_tokens + num_new)
+        extra -= len(request.cpu_block_ids)
+        if not self._make_room_for_blocks(
+            request, num_new, [], out, now, held=len(request.cpu_block_ids) + extra
+        ):
+            return False
+        num_blocks = len(request.cpu_block_ids)
+        out.blocks_to_swap_in.extend(self.block_manager.swap_in(request))
+        self.block_manager.allocate(request, num_new)
+        ev.emit(request, ev.SWAPPED_IN, now, num_blocks=num_blocks)
+        self.swapped.remove(request)
+        self._start_running(request, now)
+        self._add_to_step(out, request, num_new, now)
+        return True
+
+    def _make_room_for_slot(self, request: Request, out: SchedulerOutput, now: float) -> bool:
+        while len(self.running) >= self.config.max_num_seqs:
+            if not self._preempt_less_urgent(request, out, now):
+                return False
+        return True
+
+    def _make_room_for_blocks(
+        self, request, num_new, cached, out, now, held: int | None = None
+    ) -> bool:
+        bm = self.block_manager
+        while not self._fits(request, num_new, cached, held):
+            if not self._preempt_less_urgent(request, out, now):
+                needed = (
+                    held
+                    if held is not None
+                    else bm.num_blocks_needed(request, num_new, len(cached))
+                )
+                self._record_wait(
+                    request,
+                    ev.WAITING_FOR_KV,
+                    now,
+                    blocks_needed=needed,
+                    blocks_free=bm.num_free_gpu_blocks,
+                )
+                return False
+        return True
+
+    def _fits(self, request: Request, num_new: int, cached: list[int], held: int | None) -> bool:
+        if held is not None:
+            return held <= self.block_manager.num_free_gpu_blocks
+        return self.block_manager.can_allocate(request, num_new, cached)
+
+    def _preempt_less_urgent(self, request: Request, out: SchedulerOutput, now: float) -> bool:
+        if not self.running:
+            return False
+        victim = max(self.running, key=lambda r: self.urgency(r, now))
+        if not self.more_urgent(request, victim, now):
+            return False
+        self._unschedule(out, victim)
+        self._preempt(victim, by=request, out=out, now=now)
+        return True
+
+    def _unschedule(self, out: SchedulerOutput, victim: Request) -> None:
+        for i, (request, num_tokens) in enumerate(out.scheduled):
+            if request is victim:
+                del out.scheduled[i]
+                out.budget += num_tokens
+                return
+
+    # ---- preemption -------------------------------------------------------------------------
+    def choose_mode(self, victim: Request) -> str:
+        bm = self.block_manager
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not bm.can_swap_out(victim) or not victim.block_ids:
+            return "recompute"
+        if mode == "swap":
+            return "swap"
+        swap_cost = self.cost_model.swap_seconds(len(victim.block_ids))
+        recompute_cost = self.cost_model.recompute_seconds(victim.num_computed_tokens)
+        return "swap" if swap_cost < recompute_cost else "recompute"
+
+    def _preempt(self, victim: Request, by: Request, out: SchedulerOutput, now: float) -> None:
+        mode = self.choose_mode(victim)
+        num_blocks = len(victim.block_ids)
+        self.running.remove(victim)
+        if mode == "swap":
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(victim))
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+        else:
+            self.block_manager.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            self.waiting.append(victim)
+        victim.num_preemptions += 1
+        victim.preempted_mode = mode
+        victim.wait_reason = None
+        self.num_preemptions[mode] += 1
+        out.preempted.append(victim)
+        ev.emit(
+            victim,
+            ev.PREEMPTED,
+            now,
+            mode=mode,
+            by=by.request_id,
+            by_tenant=by.tenant,
+            by_priority=by.priority,
+            num_blocks=num_blocks,
+        )
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def _start_running(self, request: Request, now: float) -> None:
+        if request.preempted_mode == "recompute":
+            ev.emit(
+                request,
+                ev.RECOMPUTE_STARTED,
+                now,
+                num_tokens=request.num_tokens,
+                num_cached_tokens=request.num_computed_tokens,
+            )
+        if request.preempted_mode is not None:
+            ev.emit(request, ev.RESUMED, now, mode=request.preempted_mode)
+        request.admitted_priority = self.effective_priority(request, now)
+        request.preempted_mode = None
+        request.wait_reason = None
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _add_to_step(
+        self, out: SchedulerOutput, request: Request, num_new: int, now: float
+    ) -> None:
+        out.scheduled.append((request, num_new))
+        out.budget -= num_new
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            ev.emit(
+                request,
+                ev.SCHEDULED,
+                now,
+                num_tokens=num_new,
+                queue_time=now - request.arrival_time,
+                num_cached_tokens=request.num_cached_prefix_tokens,
+            )
+
+    def _record_wait(self, request: Request, kind: str, now: float, **facts) -> None:
+        if request.wait_reason == kind:
+            return
+        request.wait_reason = kind
+        ev.emit(request, kind, now, **facts)
+
+    # ---- after the model ran ----------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled ones, finish on a stop condition.
+        Returns the requests that got a new token, in step order."""
+        advanced = []
+        for request, num_tokens in out.scheduled:
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            self.tenant_service[request.tenant] += num_tokens / request.weight
+            token_id = sampled.get(request.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            advanced.append(request)
+            status = self.check_stop(request, token_id)
+            if status is not None:
+                self.finish_with_event(request, status)
+        return advanced
+
+    def check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_with_event(self, request: Request, status: RequestStatus) -> None:
+        self.finish(request, status)
+        request.finish_reason = {"finished_stopped": "stop", "finished_length": "length"}.get(
+            status.value, "abort"
+        )
+        ev.emit(
+            request,
+            ev.FINISHED,
+            self.clock(),
+            reason=request.finish_reason,
+            num_output_tokens=request.num_output_tokens,
+        )

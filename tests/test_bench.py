@@ -1,0 +1,103 @@
+"""Smoke tests of `conveyor bench offline` and `conveyor bench priority` on a tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+
+TINY_LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+SMALL_ENGINE = ["--dtype", "float32", "--kv-cache-memory", "8MiB", "--swap-space", "0.01"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """Random-initialised 2-layer Llama with the default model's tokenizer files."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from runtime.model_loader import resolve_model
+
+    source = resolve_model(None)
+    target = tmp_path_factory.mktemp("tiny-llama")
+    vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **TINY_LLAMA))
+    model.save_pretrained(target)
+    for path in source.iterdir():
+        if path.name != "config.json" and path.suffix != ".safetensors":
+            shutil.copy(path, target / path.name)
+    return target
+
+
+def run_bench(argv: list[str], result_path: Path) -> dict:
+    assert main(["bench", *argv, "--save-result", str(result_path)]) == 0
+    return json.loads(result_path.read_text())
+
+
+def test_bench_offline(tiny_model_dir, tmp_path):
+    argv = ["offline", "--model", str(tiny_model_dir), *SMALL_ENGINE, "--num-prompts", "6"]
+    argv += ["--max-prompt-len", "40", "--min-output-len", "2", "--max-output-len", "12"]
+    result = run_bench(argv, tmp_path / "offline.json")
+
+    systems = result["systems"]
+    expected = {
+        "conveyor_continuous",
+        "conveyor_static",
+        "transformers_static",
+        "transformers_generate_batch",
+    }
+    assert set(systems) == expected
+    num_output_tokens = result["workload"]["output_tokens"]
+    for entry in systems.values():
+        assert entry["output_tokens"] == num_output_tokens
+        assert entry["output_tokens_per_s"] > 0
+    assert systems["conveyor_continuous"]["conveyor_continuous_speedup"] == pytest.approx(1.0)
+    assert sum(systems["conveyor_static"]["batch_sizes"]) == 6
+    assert (
+        systems["transformers_static"]["batch_sizes"] == systems["conveyor_static"]["batch_sizes"]
+    )
+    assert 0 < result["roofline"]["fraction"] < 1
+    assert 0 <= result["kv_cache"]["waste_at_peak"] < 1
+    assert result["kv_cache"]["peak_allocated_blocks"] > 0
+    assert set(result["targets"]["met"]) == set(result["targets"]["target"])
+
+
+def test_bench_priority(tiny_model_dir, tmp_path):
+    argv = ["priority", "--model", str(tiny_model_dir), *SMALL_ENGINE, "--max-num-seqs", "2"]
+    argv += ["--num-batch-requests", "4", "--batch-prompt-len", "8", "--batch-output-len", "24"]
+    argv += ["--num-interactive", "3", "--interactive-interval", "0.02"]
+    argv += ["--interactive-prompt-len", "4", "--interactive-output-len", "2"]
+    argv += ["--num-fairness-requests", "4", "--fairness-prompt-len", "4"]
+    argv += ["--fairness-output-len", "4", "--preemption-modes", "swap,recompute"]
+    result = run_bench(argv, tmp_path / "priority.json")
+
+    assert result["idle"]["ttft"]["count"] == 3
+    assert result["idle"]["ttft"]["p50_s"] > 0
+    assert result["batch_alone"]["batch_tokens_per_s"] > 0
+    assert set(result["loaded"]) == {"swap", "recompute"}
+    for mode, phase in result["loaded"].items():
+        assert phase["ttft"]["count"] == 3
+        assert phase["ttft"]["p99_s"] >= phase["ttft"]["p50_s"] > 0
+        assert phase["preemptions"][mode] > 0, "interactive requests must preempt batch ones"
+        assert phase["preempted_time"][mode]["count"] == phase["preemptions"][mode]
+        assert phase["ttft_target"]["met"] in (True, False)
+    assert result["loaded"]["recompute"]["preemptions"]["swap"] == 0
+    assert result["loaded"]["recompute"]["recompute"]["tokens"] > 0
+    for pair in ("equal", "two_to_one"):
+        fairness = result["fairness"][pair]
+        assert all(v > 0 for v in fairness["served_tokens"].values())
+        assert fairness["served_ratio"] > 0
+    assert result["fairness"]["two_to_one"]["target_ratio"] == 2.0

@@ -1,0 +1,180 @@
+"""The rate limiter when Redis is unreachable, slow, restarted (scripts flushed), and back."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from contextlib import suppress
+from urllib.parse import urlparse
+
+import pytest
+
+from gateway.ratelimit import RateLimiter, TenantLimits
+from gateway.redis_client import make_redis
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TcpProxy:
+    """Forwards a local port to Redis: `stop()` is an outage, `start()` again the recovery."""
+
+    def __init__(self, target_url: str) -> None:
+        target = urlparse(target_url)
+        self.target = (target.hostname, target.port or 6379)
+        self.port = 0
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._forward, "127.0.0.1", self.port)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+        for writer in list(self.writers):
+            writer.close()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _forward(self, client_reader, client_writer) -> None:
+        self.tasks.add(asyncio.current_task())
+        upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
+        self.writers |= {client_writer, upstream_writer}
+        await asyncio.gather(
+            pipe(client_reader, upstream_writer), pipe(upstream_reader, client_writer)
+        )
+        self.writers -= {client_writer, upstream_writer}
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with suppress(ConnectionError):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    writer.close()
+    with suppress(ConnectionError):
+        await writer.wait_closed()
+
+
+class SilentServer:
+    """Accepts connections and never answers: a Redis that hangs."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.Server | None = None
+        self.tasks: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._swallow, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _swallow(self, reader, writer) -> None:
+        self.tasks.add(asyncio.current_task())
+        while await reader.read(65536):
+            pass
+        writer.close()
+
+
+@pytest.fixture
+def limits(unique_name) -> TenantLimits:
+    return TenantLimits(
+        unique_name, rpm=600, tpm=10_000, max_concurrency=4, daily_token_quota=10**6
+    )
+
+
+@pytest.fixture
+async def unreachable_redis():
+    client = make_redis(f"redis://127.0.0.1:{closed_port()}/0")
+    yield client
+    await client.aclose()
+
+
+async def test_open_admits_degraded_when_redis_is_unreachable(unreachable_redis, limits):
+    limiter = RateLimiter(unreachable_redis, on_error="open")
+    admission = await limiter.admit(limits, "r1", 10, 10)
+    assert (admission.allowed, admission.degraded, admission.reason) == (True, True, None)
+    assert admission.headers() == {}
+    await limiter.complete(limits, "r1", 20, 5)
+    assert not await limiter.renew(limits, "r1")
+    assert (await limiter.usage(limits))["available"] is False
+
+
+async def test_closed_refuses_with_503_when_redis_is_unreachable(unreachable_redis, limits):
+    limiter = RateLimiter(unreachable_redis, on_error="closed")
+    admission = await limiter.admit(limits, "r1", 10, 10)
+    assert (admission.allowed, admission.reason, admission.http_status) == (
+        False,
+        "unavailable",
+        503,
+    )
+    assert admission.retry_after > 0 and admission.headers() == {"Retry-After": "1"}
+
+
+async def test_a_hung_redis_costs_one_timeout_per_retry_interval(limits):
+    async with SilentServer() as url:
+        client = make_redis(url, socket_timeout_s=0.1, connect_timeout_s=0.1)
+        limiter = RateLimiter(client, on_error="open", retry_interval_s=30)
+        started = time.monotonic()
+        first = await limiter.admit(limits, "r1", 1, 1)
+        first_s = time.monotonic() - started
+        later = [await limiter.admit(limits, f"r{i}", 1, 1) for i in range(2, 20)]
+        later_s = time.monotonic() - started - first_s
+        await client.aclose()
+    assert first.degraded and all(a.degraded for a in later)
+    assert 0.1 <= first_s < 1.0
+    assert later_s < 0.05
+
+
+@pytest.mark.parametrize("on_error", ["open", "closed"])
+async def test_recovers_when_redis_comes_back_with_its_scripts_gone(redis_url, limits, on_error):
+    proxy = TcpProxy(redis_url)
+    await proxy.start()
+    client = make_redis(f"redis://127.0.0.1:{proxy.port}/0")
+    admin = make_redis(redis_url)
+    limiter = RateLimiter(client, on_error=on_error, retry_interval_s=0.05)
+    try:
+        assert await limiter.load_scripts()
+        healthy = await limiter.admit(limits, "before", 1, 1)
+        await proxy.stop()
+        during = await limiter.admit(limits, "during", 1, 1)
+        await admin.script_flush()  # a restarted Redis has forgotten every script
+        await proxy.start()
+        await asyncio.sleep(0.06)
+        after = await limiter.admit(limits, "after", 1, 1)
+    finally:
+        await client.aclose()
+        await admin.delete(*[key async for key in admin.scan_iter(match=f"*{limits.tenant}*")])
+        await admin.aclose()
+        await proxy.stop()
+    assert healthy.allowed and not healthy.degraded
+    assert during.degraded and during.allowed == (on_error == "open")
+    assert after.allowed and not after.degraded and after.remaining_requests == 9
+
+
+@pytest.mark.parametrize("backend", ["fakeredis", "redis"])
+async def test_script_flush_is_survived(redis_url, limits, backend):
+    client = make_redis(None if backend == "fakeredis" else redis_url)
+    limiter = RateLimiter(client, on_error="closed")
+    try:
+        assert (await limiter.admit(limits, "r1", 1, 1)).allowed
+        await client.script_flush()
+        admission = await limiter.admit(limits, "r2", 1, 1)
+        await client.script_flush()
+        await limiter.complete(limits, "r2", 2, 1)
+        await client.script_flush()
+        usage = await limiter.usage(limits)
+    finally:
+        await client.delete(*[key async for key in client.scan_iter(match=f"*{limits.tenant}*")])
+        await client.aclose()
+    assert admission.allowed and not admission.degraded
+    assert usage["available"] and usage["tokens_today"] == 3 and usage["concurrency"] == 1

@@ -1,0 +1,124 @@
+"""`conveyor serve` settings (flags, `CONVEYOR_*` variables, defaults) and the error layer, in
+process and without a model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from pydantic import BaseModel, ValidationError
+
+from gateway.cli import build_parser
+from gateway.errors import (
+    add_request_id_header,
+    error_middleware,
+    from_validation_error,
+    request_id_middleware,
+)
+from gateway.serve import settings_from_args
+from gateway.settings import ServeSettings
+from runtime.config import EngineConfig
+
+
+def serve_settings(*argv: str) -> ServeSettings:
+    return settings_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def serve_flag_dests() -> set[str]:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    return {action.dest for action in subparsers.choices["serve"]._actions}
+
+
+def test_every_setting_has_a_flag():
+    assert set(ServeSettings.model_fields) <= serve_flag_dests()
+
+
+def test_engine_flags_match_the_engine_config_and_its_defaults():
+    settings = ServeSettings()
+    for engine_field in dataclasses.fields(EngineConfig):
+        assert getattr(settings, engine_field.name) == engine_field.default, engine_field.name
+    assert settings.engine_config() == EngineConfig()
+
+
+def test_flag_beats_environment_beats_default(monkeypatch):
+    assert serve_settings().port == 8000
+    monkeypatch.setenv("CONVEYOR_PORT", "9001")
+    monkeypatch.setenv("CONVEYOR_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("CONVEYOR_ENABLE_PREFIX_CACHING", "false")
+    settings = serve_settings("--max-num-seqs", "3")
+    assert settings.port == 9001
+    assert settings.max_num_seqs == 3
+    assert settings.enable_prefix_caching is False
+    assert serve_settings("--no-prefix-caching").enable_prefix_caching is False
+
+
+@pytest.mark.parametrize(
+    "variable, value, field, expected",
+    [
+        ("CONVEYOR_HOST", "0.0.0.0", "host", "0.0.0.0"),
+        ("CONVEYOR_DATABASE_URL", "postgresql://u@h/db", "database_url", "postgresql://u@h/db"),
+        ("CONVEYOR_REDIS_URL", "redis://h:6379/1", "redis_url", "redis://h:6379/1"),
+        ("CONVEYOR_REDIS_URL", "", "redis_url", None),
+        ("CONVEYOR_MAX_BODY_BYTES", "4096", "max_body_bytes", 4096),
+        ("CONVEYOR_RATE_LIMIT_ON_ERROR", "closed", "rate_limit_on_error", "closed"),
+        ("CONVEYOR_KEY_HASH_SECRET", "s3cret", "key_hash_secret", "s3cret"),
+        ("CONVEYOR_ADMIN_TOKENS", "a, b,,c", "admin_tokens", ["a", "b", "c"]),
+        ("CONVEYOR_DRAIN_TIMEOUT", "2.5", "drain_timeout", 2.5),
+        ("CONVEYOR_MODEL", "/models/x.gguf", "model", "/models/x.gguf"),
+        ("CONVEYOR_KV_CACHE_MEMORY", "1GiB", "kv_cache_memory", "1GiB"),
+    ],
+)
+def test_environment_variables(monkeypatch, variable, value, field, expected):
+    monkeypatch.setenv(variable, value)
+    assert getattr(serve_settings(), field) == expected
+
+
+def test_bad_settings_are_refused(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_RATE_LIMIT_ON_ERROR", "sometimes")
+    with pytest.raises(ValidationError):
+        ServeSettings()
+
+
+class Body(BaseModel):
+    prompt: str | list[int]
+    n: int = 1
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        ('{"prompt": 3}', "prompt"),
+        ('{"prompt": "x", "n": "2"}', "n"),
+        ('{"prompt": [1, "a"]}', "prompt.1"),
+        ("{", None),
+    ],
+)
+def test_validation_errors_name_the_field(raw, param):
+    with pytest.raises(ValidationError) as caught:
+        Body.model_validate_json(raw, strict=True)
+    error = from_validation_error(caught.value)
+    assert (error.status, error.param) == (400, param)
+
+
+async def test_unexpected_errors_become_a_generic_500_without_details(caplog):
+    async def explode(request):
+        raise RuntimeError("secret internals")
+
+    app = web.Application(middlewares=[request_id_middleware(), error_middleware()])
+    app.on_response_prepare.append(add_request_id_header)
+    app.router.add_get("/explode", explode)
+    async with TestClient(TestServer(app)) as client:
+        response = await client.get("/explode")
+        body = await response.json()
+        missing = await client.get("/nowhere")
+        missing_body = await missing.json()
+    assert response.status == 500
+    assert body["error"]["type"] == "server_error"
+    assert "secret" not in body["error"]["message"]
+    assert response.headers["x-request-id"]
+    assert missing.status == 404
+    assert missing_body["error"]["code"] == "not_found"
+    assert "secret internals" in caplog.text  # logged for the operator, not sent
