@@ -125,12 +125,10 @@ def test_record_times_and_defaults_are_completed():
 
 async def test_records_are_written_in_bulk_batches(engine, tmp_path):
     writer = new_writer(engine, tmp_path, max_batch=200, flush_interval_s=0.2)
-    started = time.monotonic()
     for number in range(450):
         writer.submit(record(number), events(number))
     assert writer.stats.num_batches == 0  # submit only queues; nothing awaited yet
     await writer.flush()
-    assert time.monotonic() - started < 2.0
     assert (writer.stats.num_batches, writer.stats.num_written) == (3, 450)
     await assert_each_stored_once(engine, 450)
     await writer.close()
