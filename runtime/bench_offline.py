@@ -29,7 +29,6 @@ from runtime.benchmark import (
     progress,
     random_prompt,
     ratio,
-    reset_scheduler,
 )
 from scheduler.request import SamplingParams
 
@@ -157,7 +156,7 @@ class KVWasteTracker:
 
 # ---- Conveyor -------------------------------------------------------------------------------
 def run_conveyor(engine, workload: Workload, policy: str) -> tuple[SystemRun, list, KVWasteTracker]:
-    reset_scheduler(engine, policy=policy)
+    engine.reset_scheduler(policy=policy)
     tracker = KVWasteTracker(engine.block_manager)
     step_seconds = []
     start = time.perf_counter()
@@ -325,7 +324,7 @@ def run_conveyor_systems(engine, workload: Workload) -> tuple[list[SystemRun], K
     static.details["batches"] = static_batches(requests)
     static.details["batch_sizes"] = [len(b) for b in static.details["batches"]]
     progress(f"  {static.output_tokens_per_s:.1f} output tok/s")
-    reset_scheduler(engine, policy=engine.config.scheduling)
+    engine.reset_scheduler(policy=engine.config.scheduling)
     return [continuous, static], kv
 
 

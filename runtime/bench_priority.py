@@ -32,7 +32,6 @@ from runtime.benchmark import (
     progress,
     random_prompt,
     ratio,
-    reset_scheduler,
 )
 from scheduler import events as ev
 from scheduler.request import SamplingParams
@@ -149,7 +148,7 @@ def run_step(engine, trace: Trace) -> None:
 
 def end_phase(engine) -> None:
     abort_all(engine)
-    reset_scheduler(engine)
+    engine.reset_scheduler()
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -220,7 +219,7 @@ def run_batch_alone_phase(engine, batch: list[Arrival], window: float) -> dict:
 
 
 def run_loaded_phase(engine, batch, interactive, window: float, mode: str) -> dict:
-    reset_scheduler(engine, preemption_mode=mode)
+    engine.reset_scheduler(preemption_mode=mode)
     interactive = with_ids(interactive, mode)
     interactive_ids = {a.request_id for a in interactive}
 

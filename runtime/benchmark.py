@@ -12,7 +12,6 @@ import math
 import random
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -118,21 +117,6 @@ def build_engine(args: argparse.Namespace):
     from runtime.engine import Engine
 
     return Engine(EngineConfig.from_args(args))
-
-
-def reset_scheduler(engine, **config_changes: Any) -> None:
-    """Give the loaded engine a fresh scheduler and block manager (empty prefix cache) with
-    some scheduler settings changed, e.g. policy="static": no model reload between runs."""
-    from scheduler.block_manager import BlockManager
-    from scheduler.scheduler import Scheduler
-
-    assert not engine.has_unfinished(), "reset only an idle engine"
-    old = engine.block_manager
-    engine.block_manager = BlockManager(
-        old.num_gpu_blocks, old.block_size, old.num_cpu_blocks, old.enable_prefix_caching
-    )
-    config = replace(engine.scheduler.config, **config_changes)
-    engine.scheduler = Scheduler(config, engine.block_manager, engine.scheduler.cost_model)
 
 
 def abort_all(engine) -> None:

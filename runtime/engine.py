@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from runtime.config import EngineConfig
@@ -75,6 +75,18 @@ class Engine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_events_sent: dict[str, int] = {}
         self.num_steps = 0
+
+    def reset_scheduler(self, **config_changes) -> None:
+        """A fresh scheduler and block manager (empty prefix cache) on the loaded model, with
+        some scheduler settings changed, e.g. policy="static"; only while nothing runs."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_scheduler needs an idle engine")
+        old = self.block_manager
+        self.block_manager = BlockManager(
+            old.num_gpu_blocks, old.block_size, old.num_cpu_blocks, old.enable_prefix_caching
+        )
+        config = replace(self.scheduler.config, **config_changes)
+        self.scheduler = Scheduler(config, self.block_manager, self.scheduler.cost_model)
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config

@@ -49,6 +49,24 @@ def test_static_batching_gives_the_same_greedy_tokens(tiny_model_dir, engine):
     assert [r.output_token_ids for r in static.generate(prompts, greedy(6))] == continuous
 
 
+def test_reset_scheduler_changes_policy_and_empties_the_prefix_cache(engine):
+    prompt = [4, 5, 6, 7] * 8  # two full blocks of 16
+    engine.generate([prompt], greedy(2))
+    engine.generate([prompt], greedy(2))
+    assert engine.block_manager.num_prefix_hits > 0
+    engine.reset_scheduler(policy="static")
+    assert engine.scheduler.config.policy == "static"
+    assert engine.block_manager.num_prefix_hits == 0
+    engine.generate([prompt], greedy(2))
+    assert engine.block_manager.num_prefix_hits == 0  # nothing cached from before the reset
+    engine.add_request(prompt, greedy(2), request_id="busy")
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.reset_scheduler()
+    engine.abort("busy")
+    engine.reset_scheduler(policy=engine.config.scheduling)
+    assert engine.scheduler.config.policy == engine.config.scheduling
+
+
 def test_stop_token_and_max_model_len_checks(engine):
     first = engine.generate([[11, 12, 13]], greedy(4))[0].output_token_ids
     stopped = engine.generate(
