@@ -38,6 +38,13 @@ def register_offline(sub) -> None:
     p.add_argument("--min-output-len", type=int, default=8)
     p.add_argument("--max-output-len", type=int, default=512)
     p.add_argument("--skip-transformers", action="store_true", help="run only Conveyor")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="pairs of Conveyor continuous and generate_batch runs; the target uses the median "
+        "of the pairs' ratios",
+    )
     add_common_args(p)
     EngineConfig.add_cli_args(p)  # its --seed also seeds the synthetic workload
     p.set_defaults(func=cmd_offline)

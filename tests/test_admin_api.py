@@ -36,6 +36,7 @@ from test_server_support import (
     ServerProcess,
     real_service_urls,
     server_env,
+    serving,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -173,12 +174,8 @@ def start_server(workdir: Path, database_url: str, redis_url, args) -> ServerPro
 def sqlite_server(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("admin-sqlite")
     server = start_server(workdir, f"sqlite:///{workdir / 'conveyor.db'}", None, TINY_KV_ARGS)
-    try:
-        server.wait_ready()
+    with serving(server):
         yield server
-    finally:
-        exit_code = server.stop()
-    assert exit_code == 0, server.log_text()[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -203,12 +200,8 @@ def postgres_server(tmp_path_factory, postgres_proxies):
         redis_url = f"redis://127.0.0.1:{redis_proxy.port}/0"
         server = start_server(workdir, url, redis_url, ENGINE_ARGS)
         server.direct_database_url = direct_url  # bypasses the proxy, for checks
-        try:
-            server.wait_ready()
+        with serving(server):
             yield server
-        finally:
-            exit_code = server.stop()
-    assert exit_code == 0, server.log_text()[-4000:]
 
 
 @pytest.fixture(params=["sqlite", "postgres"], scope="module")

@@ -50,7 +50,7 @@ def run_bench(argv: list[str], result_path: Path) -> dict:
 def test_bench_offline(tiny_model_dir, tmp_path):
     argv = ["offline", "--model", str(tiny_model_dir), *SMALL_ENGINE, "--num-prompts", "6"]
     argv += ["--max-prompt-len", "40", "--min-output-len", "2", "--max-output-len", "12"]
-    result = run_bench(argv, tmp_path / "offline.json")
+    result = run_bench([*argv, "--rounds", "3"], tmp_path / "offline.json")
 
     systems = result["systems"]
     expected = {
@@ -73,6 +73,15 @@ def test_bench_offline(tiny_model_dir, tmp_path):
     assert 0 <= result["kv_cache"]["waste_at_peak"] < 1
     assert result["kv_cache"]["peak_allocated_blocks"] > 0
     assert set(result["targets"]["met"]) == set(result["targets"]["target"])
+    rounds = result["paired_rounds"]
+    assert len(rounds) == 3
+    first = rounds[0]
+    assert first["conveyor_continuous"] == systems["conveyor_continuous"]["output_tokens_per_s"]
+    for entry in rounds:
+        ratio = entry["conveyor_continuous"] / entry["transformers_generate_batch"]
+        assert entry["ratio"] == pytest.approx(ratio)
+    median = sorted(entry["ratio"] for entry in rounds)[1]
+    assert result["targets"]["measured"]["vs_transformers_generate_batch"] == median
 
 
 def test_bench_priority(tiny_model_dir, tmp_path):

@@ -11,7 +11,13 @@ import random
 from dataclasses import fields
 
 import pytest
-from test_server_support import ENGINE_ARGS, ServerProcess, create_tenant_with_key, server_env
+from test_server_support import (
+    ENGINE_ARGS,
+    ServerProcess,
+    create_tenant_with_key,
+    server_env,
+    serving,
+)
 
 from gateway.bench_serve import (
     RequestResult,
@@ -111,13 +117,8 @@ def tiny_server(tmp_path_factory, tiny_model_dir):
     database_url = f"sqlite:///{workdir / 'conveyor.db'}"
     args = ["--model", str(tiny_model_dir), "--dtype", "float32", *ENGINE_ARGS]
     server = ServerProcess(workdir, server_env(database_url, None, workdir), args, database_url)
-    server.start()
-    try:
-        server.wait_ready()
+    with serving(server):
         yield server
-    finally:
-        exit_code = server.stop()
-    assert exit_code == 0, server.log_text()[-4000:]
 
 
 @pytest.fixture(scope="module")

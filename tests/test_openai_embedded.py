@@ -19,6 +19,7 @@ from test_server_support import (
     ServerProcess,
     create_tenant_with_key,
     server_env,
+    serving,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -33,13 +34,8 @@ def embedded_server(tmp_path_factory) -> ServerProcess:
     database_url = f"sqlite:///{workdir / 'conveyor.db'}"
     env = server_env(database_url, None, workdir)
     server = ServerProcess(workdir, env, SERVER_ARGS, database_url=database_url)
-    server.start()
-    try:
-        server.wait_ready()
+    with serving(server):
         yield server
-    finally:
-        exit_code = server.stop()
-    assert exit_code == 0, server.log_text()[-4000:]
 
 
 @pytest.fixture(scope="session")

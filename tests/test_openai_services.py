@@ -20,6 +20,7 @@ from test_server_support import (
     get_json,
     real_service_urls,
     server_env,
+    serving,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -39,13 +40,8 @@ def services_server(tmp_path_factory) -> ServerProcess:
     with temporary_database("postgresql", workdir, POSTGRES_URL) as database_url:
         env = server_env(database_url, REDIS_URL, workdir)
         server = ServerProcess(workdir, env, SERVER_ARGS, database_url=database_url)
-        server.start()
-        try:
-            server.wait_ready()
+        with serving(server):
             yield server
-        finally:
-            exit_code = server.stop()
-    assert exit_code == 0, server.log_text()[-4000:]
 
 
 @pytest.fixture(scope="session")

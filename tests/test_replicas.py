@@ -30,6 +30,7 @@ from test_server_support import (
     create_tenant_with_key,
     real_service_urls,
     server_env,
+    serving,
     tiny_engine_args,
 )
 
@@ -59,14 +60,8 @@ def replicas(tmp_path_factory, tiny_model_dir):
         migrated = conveyor("db", "upgrade", database_url=database_url)
         assert migrated.returncode == 0, migrated.stderr
         servers = [start_replica(root / f"replica{i}", database_url, tiny_model_dir) for i in range(NUM_REPLICAS)]  # fmt: skip
-        try:
-            for server in servers:
-                server.wait_ready()
+        with serving(*servers):
             yield servers
-        finally:
-            exit_codes = [server.stop() for server in servers]
-    for server, exit_code in zip(servers, exit_codes):
-        assert exit_code == 0, server.log_text()[-4000:]
 
 
 def start_replica(workdir, database_url: str, model_dir) -> ServerProcess:

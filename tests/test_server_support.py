@@ -15,6 +15,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,6 +122,23 @@ class ServerProcess:
                 return state
             time.sleep(0.1)
         return state
+
+
+@contextmanager
+def serving(*servers: ServerProcess) -> Iterator[None]:
+    """Start the servers, wait until all are ready; on the way out stop them all and insist that
+    each exited cleanly (a crash on shutdown fails the fixture, with the server's log)."""
+    for server in servers:
+        if server.process is None:
+            server.start()
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield
+    finally:
+        exit_codes = [server.stop() for server in servers]
+    for server, exit_code in zip(servers, exit_codes):
+        assert exit_code == 0, server.log_text()[-4000:]
 
 
 def server_env(database_url: str, redis_url: str | None, workdir: Path) -> dict[str, str]:
