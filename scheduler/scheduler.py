@@ -212,7 +212,8 @@ class Scheduler:
 
     def _schedule_line(self, out: SchedulerOutput, now: float) -> None:
         line = sorted(self.waiting + self.swapped, key=lambda r: self.line_key(r, now))
-        for index, request in enumerate(line):
+        for index in range(len(line)):
+            request = line[index]
             if out.budget == 0:
                 for behind in line[index:]:
                     self._record_wait(
@@ -225,6 +226,8 @@ class Scheduler:
                 return
             blocker = self._preempted_ahead_of(request, out, now)
             if blocker is None and self._admit(request, out, now):
+                # the admitted tenant was just charged: the others may now come first
+                line[index + 1 :] = sorted(line[index + 1 :], key=lambda r: self.line_key(r, now))
                 continue
             blocker = blocker or request
             for behind in line[index + (blocker is request) :]:
@@ -337,6 +340,7 @@ class Scheduler:
             if request is victim:
                 del out.scheduled[i]
                 out.budget += num_tokens
+                self.tenant_service[victim.tenant] -= num_tokens / victim.weight
                 return
 
     # ---- preemption -------------------------------------------------------------------------
@@ -403,6 +407,8 @@ class Scheduler:
     ) -> None:
         out.scheduled.append((request, num_new))
         out.budget -= num_new
+        # charged now, not after the step, so that the rest of this step's line sees it
+        self.tenant_service[request.tenant] += num_new / request.weight
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
             ev.emit(
@@ -429,7 +435,6 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens
-            self.tenant_service[request.tenant] += num_tokens / request.weight
             token_id = sampled.get(request.request_id)
             if token_id is None:
                 continue

@@ -178,3 +178,20 @@ def test_equal_tenants_get_equal_service():
 def test_weighted_tenants_get_weighted_service():
     served = run_tenants({"heavy": 2.0, "light": 1.0})
     assert 1.8 <= served["heavy"] / served["light"] <= 2.2
+
+
+def test_one_step_shares_its_admissions_between_tenants():
+    """The line is re-ordered after each admission: a tenant first in line cannot take a whole
+    step's budget while an equal tenant waits behind it."""
+    scheduler, clock = make_scheduler(200, 0, 8, 64)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for tenant in ("a", "b"):  # all of a's requests arrive before b's
+        for i in range(4):
+            clock.now += 1.0
+            prompt = [int(clock.now)] * 16  # distinct prompts: no prefix-cache hits
+            scheduler.add_request(
+                Request(f"{tenant}{i}", prompt, params, 0, tenant, 1.0, clock.now)
+            )
+    out = scheduler.schedule()
+    assert [r.tenant for r, _ in out.scheduled] == ["a", "b", "a", "b"]
+    assert scheduler.tenant_service["a"] == scheduler.tenant_service["b"] == 32
