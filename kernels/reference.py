@@ -42,16 +42,18 @@ class PagedPlan:
     num_seqs: int
     max_q_len: int
     max_kv_len: int
-    _folded_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _folded_masks: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def folded_mask(self, group: int) -> torch.Tensor:
-        """The mask for `group` query heads folded into the query axis (see
-        paged_attention_with_plan): [num_seqs, 1, group * max_q_len, max_kv_len], built once."""
-        if self.max_q_len == 1 or group == 1:
-            return self.mask
-        if group not in self._folded_masks:
-            self._folded_masks[group] = self.mask.repeat(1, 1, group, 1)
-        return self._folded_masks[group]
+    def folded_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (0 or -inf) for `group` query heads folded into the query axis (see
+        paged_attention_with_plan): [num_seqs, 1, group * max_q_len, max_kv_len], built once
+        per step, not once per layer (SDPA would convert a bool mask on every call)."""
+        key = (group, dtype)
+        if key not in self._folded_masks:
+            mask = self.mask if self.max_q_len == 1 else self.mask.repeat(1, 1, group, 1)
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            self._folded_masks[key] = additive.masked_fill_(~mask, float("-inf"))
+        return self._folded_masks[key]
 
 
 def _gather_block_ids(
@@ -116,7 +118,7 @@ def paged_attention_with_plan(
     v = _gather(v_cache, plan)
     q_padded = _fold_queries(q, plan, num_kv_heads, group)
     out = F.scaled_dot_product_attention(
-        q_padded, k, v, attn_mask=plan.folded_mask(group), scale=scale
+        q_padded, k, v, attn_mask=plan.folded_mask(group, q.dtype), scale=scale
     )  # [num_seqs, num_kv_heads, group * max_q_len, head_dim]
     return _unfold_outputs(out, plan, num_heads, group)
 
@@ -141,6 +143,50 @@ def _unfold_outputs(out: torch.Tensor, plan: PagedPlan, num_heads: int, group: i
         return out.reshape(num_seqs, num_heads, head_dim)
     out = out.view(num_seqs, num_kv_heads, group, plan.max_q_len, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs * plan.max_q_len, num_heads, head_dim)[plan.token_rows]
+
+
+@dataclass
+class CausalPlan:
+    """Sequences whose query is their whole context so far (a first prompt chunk): their keys
+    are the step's own keys, so the cache is not read, and right-padded to the longest they
+    meet SDPA's is_causal, which skips the masked half instead of computing it."""
+
+    token_rows: torch.Tensor  # [num_tokens] row of each token in the padded [num_seqs * max_len]
+    num_seqs: int
+    max_len: int
+
+
+def prepare_causal_plan(q_lens: list[int], device: torch.device | None = None) -> CausalPlan:
+    """q_lens: tokens of each sequence, laid out one sequence after the other."""
+    max_len = max(q_lens)
+    rows = [seq * max_len + i for seq, q_len in enumerate(q_lens) for i in range(q_len)]
+    return CausalPlan(torch.tensor(rows, device=device), len(q_lens), max_len)
+
+
+def causal_attention_with_plan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CausalPlan, scale: float
+) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim]
+    -> [num_tokens, num_heads, head_dim]; token t of a sequence attends its tokens 0..t."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    out = F.scaled_dot_product_attention(
+        _pad_sequences(q, plan),
+        _pad_sequences(k, plan),
+        _pad_sequences(v, plan),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=group > 1,
+    )  # [num_seqs, num_heads, max_len, head_dim]; padded query rows are dropped below
+    out = out.transpose(1, 2).reshape(plan.num_seqs * plan.max_len, num_heads, head_dim)
+    return out[plan.token_rows]
+
+
+def _pad_sequences(x: torch.Tensor, plan: CausalPlan) -> torch.Tensor:
+    """[num_tokens, heads, head_dim] -> [num_seqs, heads, max_len, head_dim], zeros past the end."""
+    rows = x.new_zeros(plan.num_seqs * plan.max_len, *x.shape[1:])
+    rows[plan.token_rows] = x
+    return rows.view(plan.num_seqs, plan.max_len, *x.shape[1:]).transpose(1, 2)
 
 
 def _gather(cache: torch.Tensor, plan: PagedPlan) -> torch.Tensor:

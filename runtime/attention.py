@@ -15,6 +15,15 @@ from kernels import reference
 
 
 @dataclass
+class PrefillPart:
+    """CPU path: some of a step's prefill sequences, attended together. token_index: their
+    tokens among the step's prefill tokens (None: all of them, in order)."""
+
+    token_index: torch.Tensor | None
+    plan: reference.CausalPlan | reference.PagedPlan
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each token
     num_decode_tokens: int
@@ -26,7 +35,7 @@ class AttentionMetadata:
     # CPU path, built once per step and shared by all layers: decodes in groups of similar length
     # (the runner sorts them by length) so that few keys are padded
     decode_plans: list[tuple[int, int, reference.PagedPlan]] | None = None
-    prefill_plan: reference.PagedPlan | None = None
+    prefill_parts: list[PrefillPart] | None = None
 
     @property
     def num_prefill_seqs(self) -> int:
@@ -62,15 +71,10 @@ class AttentionBackend:
         if attn.num_decode_tokens:
             attn.decode_plans = [
                 (start, end, self._decode_plan(attn, start, end))
-                for start, end in decode_groups(attn.decode_seq_lens.tolist())
+                for start, end in length_groups(attn.decode_seq_lens.tolist())
             ]
         if attn.num_prefill_seqs:
-            attn.prefill_plan = reference.prepare_paged_plan(
-                attn.prefill_block_tables,
-                attn.prefill_query_start_loc,
-                attn.prefill_seq_lens,
-                self.block_size,
-            )
+            attn.prefill_parts = self._prefill_parts(attn)
 
     def _decode_plan(self, attn: AttentionMetadata, start: int, end: int) -> reference.PagedPlan:
         qsl = torch.arange(end - start + 1, dtype=torch.int32)
@@ -78,6 +82,42 @@ class AttentionBackend:
         return reference.prepare_paged_plan(
             tables, qsl, attn.decode_seq_lens[start:end], self.block_size
         )
+
+    def _prefill_parts(self, attn: AttentionMetadata) -> list[PrefillPart]:
+        """First chunks (the query is the whole sequence so far) go in groups of similar length
+        through the causal path; chunks with cached keys before them through the paged one."""
+        starts = attn.prefill_query_start_loc.tolist()
+        q_lens = [end - start for start, end in zip(starts, starts[1:])]
+        seq_lens = attn.prefill_seq_lens.tolist()
+        first = sorted(
+            (s for s in range(len(q_lens)) if q_lens[s] == seq_lens[s]), key=q_lens.__getitem__
+        )
+        later = [s for s in range(len(q_lens)) if q_lens[s] != seq_lens[s]]
+        parts = [
+            self._causal_part(first[i:j], starts, q_lens)
+            for i, j in length_groups([q_lens[s] for s in first], min_group=1)
+        ]
+        if later:
+            parts.append(self._paged_part(attn, later, starts, q_lens))
+        if len(parts) == 1 and _in_order(parts[0].token_index, starts[-1]):
+            parts[0].token_index = None
+        return parts
+
+    def _causal_part(self, seqs: list[int], starts: list[int], q_lens: list[int]) -> PrefillPart:
+        lens = [q_lens[s] for s in seqs]
+        return PrefillPart(_token_index(seqs, starts, q_lens), reference.prepare_causal_plan(lens))
+
+    def _paged_part(self, attn, seqs: list[int], starts, q_lens) -> PrefillPart:
+        rows = torch.tensor(seqs)
+        lens = torch.tensor([q_lens[s] for s in seqs])
+        query_start_loc = torch.cat([torch.zeros(1, dtype=lens.dtype), lens.cumsum(0)])
+        plan = reference.prepare_paged_plan(
+            attn.prefill_block_tables[rows],
+            query_start_loc.to(torch.int32),
+            attn.prefill_seq_lens[rows],
+            self.block_size,
+        )
+        return PrefillPart(_token_index(seqs, starts, q_lens), plan)
 
     def prepare_rotary(self, ctx: ForwardContext, positions, cos_sin_cache, dtype) -> None:
         if not self.use_triton:
@@ -103,11 +143,12 @@ class AttentionBackend:
         num_decode = attn.num_decode_tokens
         if not attn.num_prefill_seqs:
             return self._decode(q, k_cache, v_cache, attn, scale)
+        prefill = (q[num_decode:], k[num_decode:], v[num_decode:])
         if not num_decode:
-            return self._prefill(q, k_cache, v_cache, attn, scale)
+            return self._prefill(*prefill, k_cache, v_cache, attn, scale)
         out = torch.empty_like(q)
         out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, attn, scale)
-        out[num_decode:] = self._prefill(q[num_decode:], k_cache, v_cache, attn, scale)
+        out[num_decode:] = self._prefill(*prefill, k_cache, v_cache, attn, scale)
         return out
 
     def _decode(self, q, k_cache, v_cache, attn: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -121,11 +162,18 @@ class AttentionBackend:
             q, k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens, scale
         )
 
-    def _prefill(self, q, k_cache, v_cache, attn: AttentionMetadata, scale: float) -> torch.Tensor:
-        if attn.prefill_plan is not None:
-            return reference.paged_attention_with_plan(
-                q, k_cache, v_cache, attn.prefill_plan, scale
-            )
+    def _prefill(self, q, k, v, k_cache, v_cache, attn: AttentionMetadata, scale: float):
+        """q: [num_prefill_tokens, num_heads, head_dim]; k/v: this step's keys and values of
+        the same tokens (already in the cache)."""
+        if attn.prefill_parts is not None:
+            parts = attn.prefill_parts
+            if parts[0].token_index is None:
+                return _attend_part(q, k, v, k_cache, v_cache, parts[0].plan, scale)
+            out = torch.empty_like(q)
+            for part in parts:
+                i = part.token_index
+                out[i] = _attend_part(q[i], k[i], v[i], k_cache, v_cache, part.plan, scale)
+            return out
         return self.kernels.paged_attention_prefill(
             q,
             k_cache,
@@ -137,7 +185,22 @@ class AttentionBackend:
         )
 
 
-def decode_groups(
+def _attend_part(q, k, v, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
+    if isinstance(plan, reference.CausalPlan):
+        return reference.causal_attention_with_plan(q, k, v, plan, scale)
+    return reference.paged_attention_with_plan(q, k_cache, v_cache, plan, scale)
+
+
+def _token_index(seqs: list[int], starts: list[int], q_lens: list[int]) -> torch.Tensor:
+    """Indices of the tokens of `seqs` (in that order) among the step's prefill tokens."""
+    return torch.cat([torch.arange(starts[s], starts[s] + q_lens[s]) for s in seqs])
+
+
+def _in_order(index: torch.Tensor, num_tokens: int) -> bool:
+    return index.numel() == num_tokens and bool((index == torch.arange(num_tokens)).all())
+
+
+def length_groups(
     seq_lens: list[int], min_group: int = 16, max_padding: float = 0.25
 ) -> list[tuple[int, int]]:
     """Split sorted sequence lengths into [start, end) groups whose padded keys (to the group's

@@ -146,13 +146,13 @@ async def test_async_engine_streams_and_aborts_on_close(engine):
         async_engine.stop()
 
 
-def test_decode_groups_bound_padding_and_cover_every_sequence():
-    from runtime.attention import decode_groups
+def test_length_groups_bound_padding_and_cover_every_sequence():
+    from runtime.attention import length_groups
 
     lens = sorted([10, 12, 15, 100, 101, 102, 500, 510] * 5)
-    groups = decode_groups(lens)
+    groups = length_groups(lens)
     assert groups[0][0] == 0 and groups[-1][1] == len(lens)
     assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
-    assert len(groups) > 1 and decode_groups([300] * 128) == [(0, 128)]
+    assert len(groups) > 1 and length_groups([300] * 128) == [(0, 128)]
     padded = sum(max(lens[a:b]) * (b - a) for a, b in groups)
     assert padded < 0.7 * max(lens) * len(lens)  # one group would pad every row to 510

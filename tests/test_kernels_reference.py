@@ -9,7 +9,7 @@ import torch
 
 from kernels import reference
 
-HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS = 8, 4, 24, 2
+HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS, NUM_KV_HEADS = 8, 4, 32, 2
 
 
 @pytest.fixture(autouse=True)
@@ -150,3 +150,59 @@ def test_rotary_embedding_matches_loop():
     assert relative_error(out_q, naive_rotary(positions, q, cos_sin_cache)) < 1e-6
     assert relative_error(out_k, naive_rotary(positions, k, cos_sin_cache)) < 1e-6
     assert torch.equal(out_q[0], q[0])  # position 0 is the identity
+
+
+def store_chunks(batch, chunks: list[tuple[int, int]]):
+    """Gives each sequence blocks of its own, then writes new keys/values of every chunk token
+    into its slot, as the model does before attention: returns them."""
+    num_seqs, max_blocks = batch["block_tables"].shape
+    batch["block_tables"] = (
+        torch.randperm(NUM_BLOCKS)[: num_seqs * max_blocks].view(num_seqs, max_blocks).int()
+    )
+    slots = torch.cat(
+        [
+            batch["block_tables"][seq].long().repeat_interleave(BLOCK_SIZE)[prefix : prefix + n]
+            * BLOCK_SIZE
+            + torch.arange(prefix, prefix + n) % BLOCK_SIZE
+            for seq, (n, prefix) in enumerate(chunks)
+        ]
+    )
+    key = torch.randn(slots.numel(), NUM_KV_HEADS, HEAD_DIM)
+    value = torch.randn(slots.numel(), NUM_KV_HEADS, HEAD_DIM)
+    reference.store_kvcache(key, value, batch["k_cache"], batch["v_cache"], slots)
+    return key, value, slots
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_causal_attention_matches_loop(group):
+    """First chunks: keys are the chunk's own, right-padded under is_causal."""
+    batch = random_paged_batch([(5, 0), (1, 0), (9, 0)], group * NUM_KV_HEADS)
+    key, value, _ = store_chunks(batch, [(5, 0), (1, 0), (9, 0)])
+    plan = reference.prepare_causal_plan([5, 1, 9])
+    out = reference.causal_attention_with_plan(batch["q"], key, value, plan, batch["scale"])
+    assert relative_error(out, naive_paged_attention(**batch)) < 1e-5
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_cpu_backend_prefill_mixes_first_and_later_chunks(group):
+    """The CPU backend splits a step's prefills into causal groups and one paged part."""
+    from runtime.attention import AttentionBackend, AttentionMetadata
+
+    chunks = [(7, 0), (3, 6), (1, 0), (12, 0), (2, 9), (6, 0)]
+    batch = random_paged_batch(chunks, group * NUM_KV_HEADS)
+    key, value, slots = store_chunks(batch, chunks)
+    attn = AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=0,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        decode_seq_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_block_tables=batch["block_tables"],
+        prefill_query_start_loc=batch["query_start_loc"],
+        prefill_seq_lens=batch["seq_lens"],
+    )
+    backend = AttentionBackend(torch.device("cpu"), BLOCK_SIZE)
+    backend.prepare(attn)
+    assert len(attn.prefill_parts) >= 2  # causal group(s) and the paged part
+    k_cache, v_cache = batch["k_cache"], batch["v_cache"]
+    out = backend.forward(batch["q"], key, value, k_cache, v_cache, attn, batch["scale"])
+    assert relative_error(out, naive_paged_attention(**batch)) < 1e-5
