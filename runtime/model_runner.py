@@ -14,7 +14,7 @@ from runtime.attention import AttentionBackend, AttentionMetadata, ForwardContex
 from runtime.config import EngineConfig
 from runtime.kv_cache import KVCache, parse_bytes
 from runtime.models.config import ModelConfig, rope_cos_sin_cache
-from runtime.models.llama import LlamaForCausalLM
+from runtime.models.llama import LlamaForCausalLM, can_pack
 from runtime.sampler import Sampler, SamplerOutput
 from scheduler.request import Request
 from scheduler.scheduler import SchedulerOutput
@@ -35,6 +35,8 @@ def load_model(model_dir: Path, config: ModelConfig, dtype, device, backend) -> 
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(_read_safetensors(model_dir))
     model.cos_sin_cache = rope_cos_sin_cache(config, config.max_position_embeddings).to(device)
+    if can_pack(device, dtype):
+        model.pack_linears()
     return model.eval()
 
 
