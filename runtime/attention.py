@@ -85,20 +85,25 @@ class AttentionBackend:
 
     def _prefill_parts(self, attn: AttentionMetadata) -> list[PrefillPart]:
         """First chunks (the query is the whole sequence so far) go in groups of similar length
-        through the causal path; chunks with cached keys before them through the paged one."""
+        through the causal path; chunks with cached keys before them (a continued prompt, a
+        prefix-cache hit) in groups of similar context length through the paged one."""
         starts = attn.prefill_query_start_loc.tolist()
         q_lens = [end - start for start, end in zip(starts, starts[1:])]
         seq_lens = attn.prefill_seq_lens.tolist()
         first = sorted(
             (s for s in range(len(q_lens)) if q_lens[s] == seq_lens[s]), key=q_lens.__getitem__
         )
-        later = [s for s in range(len(q_lens)) if q_lens[s] != seq_lens[s]]
+        later = sorted(
+            (s for s in range(len(q_lens)) if q_lens[s] != seq_lens[s]), key=seq_lens.__getitem__
+        )
         parts = [
             self._causal_part(first[i:j], starts, q_lens)
             for i, j in length_groups([q_lens[s] for s in first], min_group=1)
         ]
-        if later:
-            parts.append(self._paged_part(attn, later, starts, q_lens))
+        parts += [
+            self._paged_part(attn, later[i:j], starts, q_lens)
+            for i, j in length_groups([seq_lens[s] for s in later], min_group=1)
+        ]
         if len(parts) == 1 and _in_order(parts[0].token_index, starts[-1]):
             parts[0].token_index = None
         return parts
