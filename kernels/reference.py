@@ -156,11 +156,11 @@ class CausalPlan:
     max_len: int
 
 
-def prepare_causal_plan(q_lens: list[int], device: torch.device | None = None) -> CausalPlan:
+def prepare_causal_plan(q_lens: list[int]) -> CausalPlan:
     """q_lens: tokens of each sequence, laid out one sequence after the other."""
     max_len = max(q_lens)
     rows = [seq * max_len + i for seq, q_len in enumerate(q_lens) for i in range(q_len)]
-    return CausalPlan(torch.tensor(rows, device=device), len(q_lens), max_len)
+    return CausalPlan(torch.tensor(rows), len(q_lens), max_len)
 
 
 def causal_attention_with_plan(
