@@ -8,6 +8,7 @@ A step's batch is laid out decodes first, then prefill chunks:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -112,13 +113,14 @@ class AttentionBackend:
         lens = [q_lens[s] for s in seqs]
         return PrefillPart(_token_index(seqs, starts, q_lens), reference.prepare_causal_plan(lens))
 
-    def _paged_part(self, attn, seqs: list[int], starts, q_lens) -> PrefillPart:
+    def _paged_part(
+        self, attn: AttentionMetadata, seqs: list[int], starts: list[int], q_lens: list[int]
+    ) -> PrefillPart:
         rows = torch.tensor(seqs)
-        lens = torch.tensor([q_lens[s] for s in seqs])
-        query_start_loc = torch.cat([torch.zeros(1, dtype=lens.dtype), lens.cumsum(0)])
+        query_start_loc = [0, *accumulate(q_lens[s] for s in seqs)]
         plan = reference.prepare_paged_plan(
             attn.prefill_block_tables[rows],
-            query_start_loc.to(torch.int32),
+            torch.tensor(query_start_loc, dtype=torch.int32),
             attn.prefill_seq_lens[rows],
             self.block_size,
         )
