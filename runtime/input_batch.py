@@ -63,7 +63,8 @@ class InputBatch:
     def update(self, scheduled: list[tuple[Request, int]]) -> list[int]:
         """Bring the rows of the scheduled requests up to date; drop rows whose requests left.
         Returns the row of each scheduled request, in order."""
-        if len(self.rows) > len(scheduled) or len(self.rows) + len(scheduled) > len(self.row_state):
+        num_known = sum(request.request_id in self.rows for request, _ in scheduled)
+        if len(self.rows) > num_known:  # some row was not scheduled: did its request leave?
             self._drop_departed({request.request_id for request, _ in scheduled})
         return [self._row_of(request) for request, _ in scheduled]
 
