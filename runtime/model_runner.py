@@ -65,13 +65,15 @@ class ModelRunner:
         self.sampler = Sampler(self.model_config.vocab_size)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.input_batch = InputBatch(
-            config.max_num_seqs + 1,  # + 1: the start-up measurement's throw-away request
+            config.max_num_seqs + 4,  # + 4: rows for the start-up's throw-away requests
             self.max_model_len,
             min(-(-self.max_model_len // self.block_size), self.num_gpu_blocks),
             self.device,
         )
         self.staging = StagingBuffer(self.device)
         self.decode_graphs = self._capture_graphs(config) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            self.warm_up()  # Triton compiles on first use: not on the first request's time
 
     def _capture_graphs(self, config: EngineConfig):
         if config.enforce_eager:
@@ -175,6 +177,33 @@ class ModelRunner:
         ctx = ForwardContext(inputs.attn, self.kv_cache.k_caches, self.kv_cache.v_caches)
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
+    # ---- start-up ------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Run every kernel variant a step can need once, on throw-away requests: a mixed step
+        with a short decode (one decode partition), a long decode (split-K) and a prefill chunk,
+        then a decode-only step (graph replay, or the eager decode path)."""
+        short = _warm_up_request("__warmup_short__", 8, decoding=True)
+        long = _warm_up_request("__warmup_long__", 4 * 256 + 8, decoding=True)
+        prefill = _warm_up_request("__warmup_prefill__", 40, decoding=False)
+        batch = [(short, 1), (long, 1), (prefill, 40)]
+        if not self._assign_warm_up_blocks(batch):
+            batch = [(short, 1), (prefill, 40)]  # a small cache: no long decode
+            if not self._assign_warm_up_blocks(batch):
+                return
+        self.execute(SchedulerOutput(scheduled=batch))
+        self.execute(SchedulerOutput(scheduled=[(short, 1)]))
+        for request, _ in batch:
+            self.sampler.release(request.request_id)
+            self.input_batch.remove(request.request_id)
+
+    def _assign_warm_up_blocks(self, batch: list[tuple[Request, int]]) -> bool:
+        next_block = 0
+        for request, _ in batch:
+            num_blocks = -(-(request.num_tokens + 1) // self.block_size)
+            request.block_ids = list(range(next_block, next_block + num_blocks))
+            next_block += num_blocks
+        return next_block <= self.num_gpu_blocks
+
     # ---- start-up measurements for the preemption cost model --------------------------------
     def measure_prefill_rate(self, num_tokens: int = 256) -> float:
         """Tokens/s of a prefill on the real model, using a throw-away request on block 0..n."""
@@ -190,3 +219,13 @@ class ModelRunner:
         self.sampler.release(request.request_id)
         self.input_batch.remove(request.request_id)
         return num_tokens / max(time.perf_counter() - start, 1e-9)
+
+
+def _warm_up_request(request_id: str, num_prompt: int, decoding: bool) -> Request:
+    """A throw-away request, either about to decode (its prompt and one output token in the
+    cache but the last) or about to prefill its prompt."""
+    request = Request(request_id, [1 + i % 100 for i in range(num_prompt)])
+    if decoding:
+        request.output_token_ids = [1]
+        request.num_computed_tokens = num_prompt
+    return request

@@ -112,3 +112,13 @@ def test_launch_then_collect_later_gives_the_same_outputs(tiny_model_dir, engine
         sampled = other.runner.collect(launched)
         other.scheduler.update_from_output(out, {rid: t for rid, (t, _) in sampled.items()})
     assert [r.output_token_ids for r in requests] == straight
+
+
+def test_warm_up_leaves_no_trace(engine):
+    """The start-up warm-up (run on CUDA to compile every kernel variant) runs on any device
+    and leaves no rows and no generators behind: outputs stay the same."""
+    prompt = [21, 22, 23, 24] * 3
+    before = engine.generate([prompt], greedy(6))[0].output_token_ids
+    engine.runner.warm_up()
+    assert engine.runner.input_batch.num_rows == 0
+    assert engine.generate([prompt], greedy(6))[0].output_token_ids == before
