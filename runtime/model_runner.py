@@ -18,7 +18,7 @@ from runtime.models.config import ModelConfig, rope_cos_sin_cache
 from runtime.models.llama import LlamaForCausalLM, can_pack
 from runtime.sampler import Sampler, unpack
 from runtime.sampling_plan import penalty_inputs
-from runtime.staging import StagingBuffer, copy_to_host
+from runtime.staging import PendingCopy, StagingBuffer, copy_to_host
 from runtime.step_inputs import HostStep, StepInputs, device_step, prepare_host_step
 from scheduler.request import Request
 from scheduler.scheduler import SchedulerOutput
@@ -29,7 +29,7 @@ class LaunchedStep:
     """A step whose device work is queued; `collect` waits for its sampled ids."""
 
     host: HostStep | None
-    sampled: torch.Tensor | None  # device: ids [num_samples], or packed ids and logprobs
+    sampled: PendingCopy | None  # ids [num_samples], or packed ids and logprobs, on their way
 
 
 def load_model(model_dir: Path, config: ModelConfig, dtype, device, backend) -> LlamaForCausalLM:
@@ -144,7 +144,7 @@ class ModelRunner:
         if not host.sample_requests:
             return LaunchedStep(host, None)
         logits = self.model.compute_logits(hidden[inputs.sample_index])  # only rows that sample
-        return LaunchedStep(host, self._sample(logits, host, inputs))
+        return LaunchedStep(host, copy_to_host(self._sample(logits, host, inputs)))
 
     def _sample(self, logits: torch.Tensor, host: HostStep, inputs: StepInputs) -> torch.Tensor:
         staged, plan = inputs.staged, host.sampling
@@ -161,9 +161,9 @@ class ModelRunner:
         """Wait for a launched step's sampled ids (the step's one copy back) and hand them out."""
         if step.sampled is None:
             return {}
-        host = step.host
-        sampled = unpack(copy_to_host(step.sampled), host.sampling)
-        token_ids = torch.tensor(sampled.token_ids, dtype=torch.int64)
+        host, result = step.host, step.sampled.result()
+        sampled = unpack(result, host.sampling)
+        token_ids = result if result.dtype == torch.int64 else result[:, 0].long()
         self.input_batch.record_sampled(host.sample_rows, host.sample_positions, token_ids)
         return {
             r.request_id: (token, logprobs)

@@ -74,7 +74,7 @@ class Sampler:
         if plan.has_penalties:
             penalties = penalty_inputs_from_requests(requests, params.to(device), indices)
         packed = self.sample_on_device(logits, plan, params.to(device), indices, penalties)
-        return unpack(packed.cpu(), plan)
+        return unpack(packed.cpu(), plan)  # standalone use: no pinned copy
 
     def sample_on_device(
         self,

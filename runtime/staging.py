@@ -9,6 +9,7 @@ one non-blocking copy; the sampled ids come back in one copy. `copy_to_device` a
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -18,14 +19,27 @@ def copy_to_device(host: torch.Tensor, device_buffer: torch.Tensor) -> None:
     device_buffer.copy_(host, non_blocking=True)
 
 
-def copy_to_host(device_tensor: torch.Tensor) -> torch.Tensor:
-    """The step's one device-to-host copy; on CUDA into pinned memory, waited for here."""
+def copy_to_host(device_tensor: torch.Tensor) -> PendingCopy:
+    """The step's one device-to-host copy, started here (non-blocking into pinned memory on
+    CUDA) and waited for by PendingCopy.result(), so the host can work in between."""
     if device_tensor.device.type != "cuda":
-        return device_tensor.clone()
+        return PendingCopy(device_tensor.clone(), None)
     host = torch.empty(device_tensor.shape, dtype=device_tensor.dtype, pin_memory=True)
     host.copy_(device_tensor, non_blocking=True)
-    torch.cuda.current_stream(device_tensor.device).synchronize()
-    return host
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device_tensor.device))
+    return PendingCopy(host, done)
+
+
+@dataclass
+class PendingCopy:
+    host: torch.Tensor
+    done: object | None  # a CUDA event, None when the copy is already complete
+
+    def result(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
 
 
 class StagingBuffer:
