@@ -17,7 +17,7 @@ COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "gateway.admin_cli": ("tenants", "keys", "db"),
 }
 # modules with `register_bench(bench_subparsers)`: each adds `conveyor bench <name>`
-BENCH_MODULES: list[str] = ["runtime.benchmark", "gateway.bench_serve"]
+BENCH_MODULES: list[str] = ["benchmarks.cli"]
 
 
 def register_generate(sub) -> None:

@@ -19,15 +19,9 @@ from test_server_support import (
     serving,
 )
 
-from gateway.bench_serve import (
-    RequestResult,
-    TokenTimer,
-    arrival_gaps,
-    engine_flags,
-    issue,
-    summarize,
-    synthetic_requests,
-)
+from benchmarks.overhead import engine_flags
+from benchmarks.serve import TokenTimer, arrival_gaps, issue, synthetic_requests
+from benchmarks.serve_metrics import RequestResult, summarize
 from gateway.cli import build_parser, main
 
 SERVING_KEYS = {

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.benchmark import (
+from benchmarks.common import (
     build_engine,
     format_table,
     log_uniform_lengths,
