@@ -105,5 +105,3 @@ def cmd_priority(args: argparse.Namespace) -> int:
     print_priority_report(result)
     save_result(args.save_result, result)
     return 0
-
-

@@ -2,7 +2,7 @@
 It starts `conveyor serve` with the given engine flags on a throwaway database (with
 `--redis-url`, real Redis) and loads the same engine in-process, then sends each prompt once
 through each path, one request at a time, in random order within each pair. The direct path
-times tokenization + `AsyncEngine.submit` to the first output with text; the HTTP path times a
+times tokenization + `EngineClient.submit` to the first output with text; the HTTP path times a
 streamed request as above. Reports both median TTFTs and their difference against `--budget-ms`.
 `max_tokens` is 1 by default: with more, the next decode step runs while the first chunk travels,
 and on a machine with few cores the client then waits for a core, which is not the gateway's cost
@@ -129,7 +129,8 @@ async def start_gateway(workdir: Path, flags: list[str], api_key: str, timeout_s
 async def create_bench_tenant(database_url: str, secret: str) -> str:
     """A tenant with generous limits (so every limit check runs) and its key."""
     from gateway.db import make_async_engine, make_sessionmaker, upgrade
-    from gateway.tenants import KeyHasher, TenantCreate, create_key, create_tenant
+    from gateway.tenancy.keys import KeyHasher, create_key
+    from gateway.tenancy.tenants import TenantCreate, create_tenant
 
     await asyncio.to_thread(upgrade, database_url)
     name = f"bench-overhead-{secrets.token_hex(4)}"
@@ -171,9 +172,10 @@ def engine_flags(config) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def in_process_engine(config) -> AsyncIterator[Any]:
-    from runtime.engine import AsyncEngine, Engine
+    from runtime.engine import Engine
+    from runtime.engine_client import EngineClient
 
-    engine = AsyncEngine(await asyncio.to_thread(Engine, config))
+    engine = EngineClient(await asyncio.to_thread(Engine, config))
     engine.start()
     try:
         yield engine
@@ -185,7 +187,7 @@ async def compare_paths(args, engine, base_url: str, api_key: str, requests) -> 
     """(http result, direct result) per prompt, one request at a time, order shuffled per pair."""
     import aiohttp
 
-    model = engine.engine.model_name
+    model = engine.info.model_name
     headers = {"Authorization": f"Bearer {api_key}"}
     url = base_url + args.endpoint
     rng = random.Random(args.seed)
@@ -223,7 +225,7 @@ async def run_pair(over_http, direct, request, rng, interval: float) -> tuple:
 
 
 async def send_direct(engine, args, request: BenchRequest) -> RequestResult:
-    """The same prompt through `AsyncEngine.submit`, timed like the HTTP path (tokenization
+    """The same prompt through `EngineClient.submit`, timed like the HTTP path (tokenization
     included, first output with text)."""
     from scheduler.request import SamplingParams
 

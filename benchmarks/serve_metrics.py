@@ -129,5 +129,3 @@ def throughput_report(result: dict[str, Any], percentiles: list[float]) -> str:
     statuses = ", ".join(f"{code}: {n}" for code, n in sorted(result["status_codes"].items()))
     lines += [line("HTTP status codes", statuses), "=" * BLOCK_WIDTH]
     return "\n".join(lines)
-
-

@@ -1,4 +1,4 @@
-"""`gateway.explain` on synthetic timelines: every delay tied to its cause and facts, the delays
+"""`gateway.audit.explain` on synthetic timelines: every delay tied to its cause and facts, the delays
 named adding up to the request's total delay, and tenants never seeing each other."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.explain import explain, redact_events, seconds, sequence_name
+from gateway.audit.explain import explain, redact_events, seconds, sequence_name
 
 RID = "a" * 32
 OTHER = "b" * 32
