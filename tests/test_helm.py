@@ -20,6 +20,9 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -360,7 +363,7 @@ def test_default_install_is_one_replica_on_the_embedded_defaults(helm: Path):
 def test_default_key_hash_secret_is_generated_per_install_and_kept_by_lookup(helm: Path):
     """Without a cluster `lookup` finds nothing, so each render generates a fresh secret: proof
     that none is baked into the chart. On a cluster the lookup of the release's Secret returns
-    the stored one, which the template prefers (checked against a fake API server below)."""
+    the stored one (test_generated_secrets_survive_upgrades, against a fake API server)."""
     secrets = set()
     for _ in range(2):  # not template(): it caches
         proc = _run([str(HELM), "template", RELEASE, str(CHART), "--namespace", NAMESPACE])
@@ -371,11 +374,160 @@ def test_default_key_hash_secret_is_generated_per_install_and_kept_by_lookup(hel
     given = "operator-chosen-secret-0123456789"
     docs = render(helm, sets=(f"--set secrets.keyHashSecret={given}",))
     assert secret_data(docs)["CONVEYOR_KEY_HASH_SECRET"] == given
-    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
-    assert (
-        'lookup "v1" "Secret" $root.Release.Namespace (include "conveyor.fullname" $root)'
-        in helpers
+
+
+# A Kubernetes API server just large enough for `helm template --dry-run=server`: discovery for
+# the kinds the chart renders, 404 for every object except the release's Secret when stored.
+FAKE_API_RESOURCES = {
+    "v1": [
+        ("secrets", "Secret"),
+        ("configmaps", "ConfigMap"),
+        ("services", "Service"),
+        ("serviceaccounts", "ServiceAccount"),
+        ("pods", "Pod"),
+        ("persistentvolumeclaims", "PersistentVolumeClaim"),
+    ],
+    "apps/v1": [("deployments", "Deployment")],
+    "batch/v1": [("jobs", "Job")],
+    "policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget")],
+    "autoscaling/v2": [("horizontalpodautoscalers", "HorizontalPodAutoscaler")],
+    "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy")],
+    "monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor")],
+}
+
+
+class FakeKubeAPI(BaseHTTPRequestHandler):
+    stored: dict[str, str] = {}  # the release Secret's data (plain text); empty: no Secret
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        if path == "/version":
+            return self.reply({"major": "1", "minor": "35", "gitVersion": "v1.35.0"})
+        if path == "/api":
+            return self.reply({"kind": "APIVersions", "versions": ["v1"]})
+        if path == "/apis":
+            groups = [gv.split("/") for gv in FAKE_API_RESOURCES if "/" in gv]
+            return self.reply(
+                {
+                    "kind": "APIGroupList",
+                    "apiVersion": "v1",
+                    "groups": [
+                        {
+                            "name": group,
+                            "versions": [{"groupVersion": f"{group}/{v}", "version": v}],
+                            "preferredVersion": {"groupVersion": f"{group}/{v}", "version": v},
+                        }
+                        for group, v in groups
+                    ],
+                }
+            )
+        group_version = "v1" if path == "/api/v1" else path.removeprefix("/apis/")
+        if group_version in FAKE_API_RESOURCES:
+            resources = [
+                {"name": plural, "singularName": kind.lower(), "namespaced": True, "kind": kind}
+                | {"verbs": ["get", "list", "create", "update", "patch", "delete"]}
+                for plural, kind in FAKE_API_RESOURCES[group_version]
+            ]
+            return self.reply(
+                {"kind": "APIResourceList", "groupVersion": group_version, "resources": resources}
+            )
+        if path == f"/api/v1/namespaces/{NAMESPACE}/secrets/{FULLNAME}" and self.stored:
+            return self.reply(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {
+                        "name": FULLNAME,
+                        "namespace": NAMESPACE,
+                        # what Helm put on it at install: the upgrade may adopt it
+                        "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                        "annotations": {
+                            "meta.helm.sh/release-name": RELEASE,
+                            "meta.helm.sh/release-namespace": NAMESPACE,
+                        },
+                    },
+                    "data": {
+                        k: base64.b64encode(v.encode()).decode() for k, v in self.stored.items()
+                    },
+                }
+            )
+        self.reply({"kind": "Status", "apiVersion": "v1", "reason": "NotFound", "code": 404}, 404)
+
+    def reply(self, body: dict, status: int = 200) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def fake_cluster(tmp_path: Path) -> Iterator[type[FakeKubeAPI]]:
+    handler = type("Handler", (FakeKubeAPI,), {"stored": {}})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "fake",
+                        "cluster": {"server": f"http://127.0.0.1:{server.server_port}"},
+                    }
+                ],
+                "users": [{"name": "fake", "user": {}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                "current-context": "fake",
+            }
+        )
     )
+    handler.kubeconfig = kubeconfig
+    try:
+        yield handler
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def render_on(cluster: type[FakeKubeAPI], *sets: str) -> list[dict]:
+    """`helm template --dry-run=server`: `lookup` reads the (fake) cluster, as on an upgrade."""
+    cmd = [str(HELM), "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    cmd += ["--dry-run=server", "--disable-openapi-validation", *_value_args((), sets)]
+    env = {**_helm_env(), "KUBECONFIG": str(cluster.kubeconfig)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def test_generated_secrets_survive_upgrades(helm: Path, fake_cluster: type[FakeKubeAPI]):
+    """The `lookup` idiom on a cluster: the first install generates the key-hash secret and admin
+    token; an upgrade finds them in the release's Secret and renders them unchanged (so existing
+    API keys keep working and the pod is not restarted for a new checksum)."""
+    first = secret_data(render_on(fake_cluster))
+    assert re.fullmatch(r"[A-Za-z0-9]{64}", first["CONVEYOR_KEY_HASH_SECRET"])
+    fake_cluster.stored = dict(first)  # what the install stored
+    upgrades = [render_on(fake_cluster) for _ in range(2)]
+    for docs in upgrades:
+        assert secret_data(docs) == first
+    checksums = {
+        one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/secret"]
+        for docs in upgrades
+    }
+    assert len(checksums) == 1
+    # A value given explicitly wins over the stored one.
+    chosen = "operator-chosen-secret-0123456789"
+    given = secret_data(render_on(fake_cluster, f"--set secrets.keyHashSecret={chosen}"))
+    assert given["CONVEYOR_KEY_HASH_SECRET"] == chosen
+    assert given["CONVEYOR_ADMIN_TOKENS"] == first["CONVEYOR_ADMIN_TOKENS"]
 
 
 def test_embedded_storage_options(helm: Path):
