@@ -1,7 +1,9 @@
-"""`conveyor bench offline`: one workload, one model, one dtype, one machine, four ways:
+"""`conveyor bench offline`: one workload, one model, one dtype, one machine, five ways:
 
   1. Conveyor continuous batching (the engine's default scheduler)
-  2. Conveyor static batching (`scheduling="static"`, same loaded engine, fresh scheduler)
+  2. Conveyor static batching (`scheduling="static"`, same loaded engine, fresh scheduler), then
+     dynamic batching (`scheduling="dynamic"`: a batch forms at max-num-seqs requests or after
+     --batch-window, then runs to completion)
   3. transformers `generate` in static batches with exactly Conveyor static's batch membership
      (left padding; each batch runs to its longest request; only asked-for tokens count)
   4. transformers continuous batching (`continuous_batching_context_manager`, per-request
@@ -166,6 +168,7 @@ def run_conveyor(engine, workload: Workload, policy: str) -> tuple[SystemRun, li
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens))
     ]
     while engine.has_unfinished():
+        time.sleep(engine.seconds_until_runnable())  # dynamic batching waits for its batch
         step_start = time.perf_counter()
         engine.step()
         step_seconds.append(time.perf_counter() - step_start)
@@ -352,8 +355,12 @@ def run_conveyor_systems(engine, workload: Workload) -> tuple[list[SystemRun], K
     static.details["batches"] = static_batches(requests)
     static.details["batch_sizes"] = [len(b) for b in static.details["batches"]]
     progress(f"  {static.output_tokens_per_s:.1f} output tok/s")
+    progress("conveyor dynamic ...")
+    dynamic, requests, _ = run_conveyor(engine, workload, "dynamic")
+    dynamic.details["batch_sizes"] = [len(b) for b in static_batches(requests)]
+    progress(f"  {dynamic.output_tokens_per_s:.1f} output tok/s")
     engine.reset_scheduler(policy=engine.config.scheduling)
-    return [continuous, static], kv
+    return [continuous, static, dynamic], kv
 
 
 def run_transformers_systems(model, engine, workload: Workload, batches) -> list[SystemRun]:

@@ -53,7 +53,17 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(
         None, ge=1, description="context length (default: the model's)"
     )
-    scheduling: Literal["priority", "fcfs", "static"] = Field("priority")
+    scheduling: Literal["priority", "fcfs", "static", "dynamic"] = Field(
+        "priority",
+        description="priority/fcfs: continuous batching; static: a batch runs to completion; "
+        "dynamic: as static, but a batch waits up to --batch-window for max-num-seqs requests",
+    )
+    batch_window: float = Field(
+        0.05,
+        ge=0,
+        description="dynamic batching: seconds the oldest waiting request waits for a batch",
+        json_schema_extra={"metavar": "SECONDS"},
+    )
     preemption_mode: Literal["auto", "swap", "recompute"] = Field(
         "auto", description="auto: the cost model picks swap or recompute per victim"
     )

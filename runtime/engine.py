@@ -93,6 +93,7 @@ class Engine:
             policy=c.scheduling,
             preemption_mode=c.preemption_mode,
             priority_aging_s=c.priority_aging,
+            batch_window_s=c.batch_window,
         )
 
     def _measure_costs(self) -> PreemptionCostModel:
@@ -171,6 +172,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def seconds_until_runnable(self) -> float:
+        """How long a step would do nothing (dynamic batching waiting for its batch)."""
+        return self.scheduler.seconds_until_runnable()
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -56,6 +56,7 @@ def test_bench_offline(tiny_model_dir, tmp_path):
     expected = {
         "conveyor_continuous",
         "conveyor_static",
+        "conveyor_dynamic",
         "transformers_static",
         "transformers_generate_batch",
     }
@@ -66,6 +67,7 @@ def test_bench_offline(tiny_model_dir, tmp_path):
         assert entry["output_tokens_per_s"] > 0
     assert systems["conveyor_continuous"]["conveyor_continuous_speedup"] == pytest.approx(1.0)
     assert sum(systems["conveyor_static"]["batch_sizes"]) == 6
+    assert sum(systems["conveyor_dynamic"]["batch_sizes"]) == 6
     assert (
         systems["transformers_static"]["batch_sizes"] == systems["conveyor_static"]["batch_sizes"]
     )
