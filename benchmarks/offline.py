@@ -16,24 +16,31 @@ from __future__ import annotations
 
 import argparse
 import platform
-import random
 import statistics
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from benchmarks.common import (
     build_engine,
     format_table,
-    log_uniform_lengths,
     measure_matmul_flops,
     progress,
-    random_prompt,
     ratio,
 )
-from scheduler.request import SamplingParams
+from benchmarks.peers import (
+    PeerUnavailable,
+    load_transformers_model,
+    run_transformers_continuous,
+    run_transformers_static,
+)
+from benchmarks.workload import (
+    SystemRun,
+    Workload,
+    benchmark_params,
+    file_workload,
+    synthetic_workload,
+)
 
 TARGETS = {
     "vs_transformers_static": 5.0,
@@ -41,73 +48,6 @@ TARGETS = {
     "roofline_fraction": 0.25,
     "kv_waste_at_peak": 0.04,
 }
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-    source: str
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.prompts)
-
-    def summary(self) -> dict:
-        prompt_lens = [len(p) for p in self.prompts]
-        return {
-            "source": self.source,
-            "num_requests": self.num_requests,
-            "prompt_tokens": sum(prompt_lens),
-            "output_tokens": sum(self.output_lens),
-            "prompt_len_min_max": [min(prompt_lens), max(prompt_lens)],
-            "output_len_min_max": [min(self.output_lens), max(self.output_lens)],
-        }
-
-
-@dataclass
-class SystemRun:
-    name: str
-    seconds: float
-    output_tokens: int
-    details: dict = field(default_factory=dict)
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
-
-
-# ---- workload -------------------------------------------------------------------------------
-def synthetic_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    rng = random.Random(args.seed)
-    n = args.num_prompts
-    prompt_lens = log_uniform_lengths(rng, args.min_prompt_len, args.max_prompt_len, n)
-    output_lens = log_uniform_lengths(rng, args.min_output_len, args.max_output_len, n)
-    prompts = [random_prompt(rng, length, vocab_size) for length in prompt_lens]
-    source = (
-        f"synthetic seed={args.seed} prompt {args.min_prompt_len}-{args.max_prompt_len} "
-        f"output {args.min_output_len}-{args.max_output_len} log-uniform"
-    )
-    return Workload(prompts, output_lens, source)
-
-
-def file_workload(engine, path: str) -> Workload:
-    """The requests of a `conveyor generate` JSONL file; lines that cannot run are skipped."""
-    from runtime.offline import parse_line
-
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    items = [parse_line(engine, i, line) for i, line in enumerate(lines)]
-    for item in items:
-        if item.error:
-            progress(f"skipped: {item.error}")
-    good = [item for item in items if item.error is None]
-    prompts = [item.prompt_token_ids for item in good]
-    return Workload(prompts, [item.params.max_tokens for item in good], f"file {path}")
-
-
-def benchmark_params(max_tokens: int) -> SamplingParams:
-    """Greedy and ignore_eos, so every system produces exactly the asked-for tokens."""
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 # ---- KV-cache waste -------------------------------------------------------------------------
@@ -195,103 +135,6 @@ def static_batches(requests) -> list[list[int]]:
     return [groups[t] for t in sorted(groups)]
 
 
-# ---- transformers ---------------------------------------------------------------------------
-def load_transformers_model(model_dir: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, attn_implementation="sdpa"
-    )
-    return model.to("cpu").eval()
-
-
-def generate_padded(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int) -> None:
-    """One static batch through `generate`: left padding, greedy, exactly max_new_tokens each."""
-    from transformers import GenerationConfig
-
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    config = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,  # suppresses EOS: the ignore_eos of the other systems
-        pad_token_id=pad_id,
-    )
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-    assert out.shape[1] == width + max_new_tokens, out.shape
-
-
-def run_transformers_static(model, workload: Workload, batches: list[list[int]]) -> SystemRun:
-    generate_padded(model, [workload.prompts[0][:8]], 2, pad_id=0)  # warm-up
-    start = time.perf_counter()
-    for number, batch in enumerate(batches):
-        prompts = [workload.prompts[i] for i in batch]
-        generate_padded(model, prompts, max(workload.output_lens[i] for i in batch), pad_id=0)
-        progress(f"  transformers static: batch {number + 1}/{len(batches)} done")
-    seconds = time.perf_counter() - start
-    details = {"batch_sizes": [len(b) for b in batches]}
-    return SystemRun("transformers_static", seconds, sum(workload.output_lens), details)
-
-
-def run_transformers_continuous(model, workload: Workload, engine) -> SystemRun:
-    """transformers' own continuous batching, one add_request per request (its max_new_tokens),
-    a paged KV cache of the same bytes as Conveyor's, the same token budget and slot cap."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    gen_config = GenerationConfig(
-        do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1, pad_token_id=0
-    )
-    cb_config = ContinuousBatchingConfig(
-        num_blocks=hf_num_blocks(engine, ContinuousBatchingConfig.page_size),
-        max_batch_tokens=engine.config.max_batch_tokens,
-        max_requests_per_batch=engine.config.max_num_seqs,
-    )
-    with model.continuous_batching_context_manager(
-        generation_config=gen_config, continuous_batching_config=cb_config, timeout=60
-    ) as manager:
-        start = time.perf_counter()
-        ids = [
-            manager.add_request(prompt, max_new_tokens=n, eos_token_id=-1)
-            for prompt, n in zip(workload.prompts, workload.output_lens)
-        ]
-        results = collect_results(manager, set(ids))
-        seconds = time.perf_counter() - start
-    output_tokens = sum(len(results[i].generated_tokens) for i in ids)
-    assert output_tokens == sum(workload.output_lens), "generate_batch stopped a request early"
-    details = {"page_size": cb_config.page_size, "num_blocks": cb_config.num_blocks}
-    return SystemRun("transformers_generate_batch", seconds, output_tokens, details)
-
-
-def hf_num_blocks(engine, page_size: int) -> int:
-    mc = engine.runner.model_config
-    bytes_per_token = (
-        2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * engine.runner.dtype.itemsize
-    )
-    return max(1, engine.runner.kv_cache.gpu.nbytes // (page_size * bytes_per_token))
-
-
-def collect_results(manager, pending: set[str]) -> dict:
-    results = {}
-    while pending:
-        result = manager.get_result(timeout=1)
-        if result is None:
-            if not manager.is_running():
-                raise RuntimeError("transformers' continuous batching thread stopped")
-            continue
-        if result.is_finished() and result.request_id in pending:
-            if result.error is not None:
-                raise RuntimeError(f"transformers request failed: {result.error}")
-            results[result.request_id] = result
-            pending.discard(result.request_id)
-    return results
-
-
 # ---- the benchmark --------------------------------------------------------------------------
 def run_offline_bench(args: argparse.Namespace) -> dict:
     engine = build_engine(args)
@@ -304,13 +147,19 @@ def run_offline_bench(args: argparse.Namespace) -> dict:
     matmul_samples = [sample_matmul_flops(dtype)]
     runs, kv = run_conveyor_systems(engine, workload)
     matmul_samples.append(sample_matmul_flops(dtype))
-    rounds = []
+    rounds, unavailable = [], {}
     if not args.skip_transformers:
         model = load_transformers_model(engine.model_dir, engine.runner.dtype)
-        runs += run_transformers_systems(model, engine, workload, runs[1].details["batches"])
+        batches = runs[1].details["batches"]
+        runs += run_transformers_systems(model, engine, workload, batches, unavailable)
         matmul_samples.append(sample_matmul_flops(dtype))
-        rounds = run_paired_rounds(engine, model, workload, (runs[0], runs[3]), args.rounds)
-    return build_result(args, engine, workload, runs, kv, matmul_samples, rounds)
+        by_name = {run.name: run for run in runs}
+        if "transformers_generate_batch" in by_name:
+            first = (by_name["conveyor_continuous"], by_name["transformers_generate_batch"])
+            rounds = run_paired_rounds(engine, model, workload, first, args.rounds)
+    result = build_result(args, engine, workload, runs, kv, matmul_samples, rounds)
+    result["unavailable"] = unavailable
+    return result
 
 
 def run_paired_rounds(engine, model, workload: Workload, first, num_rounds: int) -> list[dict]:
@@ -363,12 +212,19 @@ def run_conveyor_systems(engine, workload: Workload) -> tuple[list[SystemRun], K
     return [continuous, static, dynamic], kv
 
 
-def run_transformers_systems(model, engine, workload: Workload, batches) -> list[SystemRun]:
+def run_transformers_systems(
+    model, engine, workload: Workload, batches, unavailable: dict[str, str]
+) -> list[SystemRun]:
     progress("transformers generate, static batches ...")
     static = run_transformers_static(model, workload, batches)
     progress(f"  {static.output_tokens_per_s:.1f} output tok/s")
     progress("transformers generate_batch (continuous) ...")
-    continuous = run_transformers_continuous(model, workload, engine)
+    try:
+        continuous = run_transformers_continuous(model, workload, engine)
+    except PeerUnavailable as error:
+        progress(f"  cannot run here: {error}")
+        unavailable["transformers_generate_batch"] = str(error)
+        return [static]
     progress(f"  {continuous.output_tokens_per_s:.1f} output tok/s")
     return [static, continuous]
 
@@ -478,6 +334,8 @@ def print_offline_report(result: dict) -> None:
         f"({kv['peak_allocated_blocks']} of {kv['num_gpu_blocks']} blocks), "
         f"mean {100 * kv['mean_waste']:.2f}%"
     )
+    for name, reason in result.get("unavailable", {}).items():
+        print(f"{name}: cannot run here: {reason}")
     for number, entry in enumerate(result["paired_rounds"], start=1):
         print(
             f"round {number}: conveyor continuous {entry['conveyor_continuous']:.1f} vs "

@@ -112,3 +112,73 @@ def test_bench_priority(tiny_model_dir, tmp_path):
         assert all(v > 0 for v in fairness["served_tokens"].values())
         assert fairness["served_ratio"] > 0
     assert result["fairness"]["two_to_one"]["target_ratio"] == 2.0
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+
+    return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=32))
+
+
+def config_class(page_attribute: str | None, takes_num_blocks: bool = True):
+    """A stand-in with the shape of one transformers 5.x ContinuousBatchingConfig."""
+
+    class Config:
+        def __init__(self, max_batch_tokens=256, num_blocks=None):
+            self.max_batch_tokens, self.num_blocks = max_batch_tokens, num_blocks
+            if page_attribute:
+                setattr(self, page_attribute, 32)
+
+    if not takes_num_blocks:
+
+        class Config(Config):  # noqa: F811
+            def __init__(self, max_batch_tokens=256):
+                super().__init__(max_batch_tokens)
+
+    return Config
+
+
+@pytest.mark.parametrize("page_attribute", ["page_size", "block_size"])
+def test_generate_batch_is_sized_with_either_spelling_of_the_page(
+    monkeypatch, tiny_engine, page_attribute
+):
+    from transformers.generation import configuration_utils
+
+    from benchmarks.peers import generate_batch_config, hf_num_blocks
+
+    monkeypatch.setattr(
+        configuration_utils, "ContinuousBatchingConfig", config_class(page_attribute)
+    )
+    config, page_size = generate_batch_config(tiny_engine)
+    assert page_size == 32
+    assert config.num_blocks == hf_num_blocks(tiny_engine, 32)
+    assert config.max_batch_tokens == tiny_engine.config.max_batch_tokens
+
+
+@pytest.mark.parametrize("shape", [(None, True), ("page_size", False)])
+def test_a_generate_batch_that_cannot_be_sized_says_why(monkeypatch, tiny_engine, shape):
+    from transformers.generation import configuration_utils
+
+    from benchmarks.peers import PeerUnavailable, generate_batch_config
+
+    monkeypatch.setattr(configuration_utils, "ContinuousBatchingConfig", config_class(*shape))
+    with pytest.raises(PeerUnavailable, match="cannot be sized like Conveyor's"):
+        generate_batch_config(tiny_engine)
+
+
+def test_bench_offline_reports_a_peer_that_cannot_run_instead_of_crashing(
+    monkeypatch, tiny_model_dir, tmp_path
+):
+    from transformers.generation import configuration_utils
+
+    monkeypatch.setattr(configuration_utils, "ContinuousBatchingConfig", config_class(None))
+    argv = ["offline", "--model", str(tiny_model_dir), *SMALL_ENGINE, "--num-prompts", "3"]
+    argv += ["--max-prompt-len", "20", "--max-output-len", "4", "--rounds", "2"]
+    result = run_bench(argv, tmp_path / "offline.json")
+    assert "cannot be sized" in result["unavailable"]["transformers_generate_batch"]
+    assert "transformers_generate_batch" not in result["systems"]
+    assert result["paired_rounds"] == []
+    assert result["targets"]["measured"]["vs_transformers_generate_batch"] is None
+    assert result["systems"]["transformers_static"]["output_tokens"] > 0
