@@ -21,10 +21,10 @@ import time
 
 import torch
 
+from benchmarks.bound import DeviceRates, ModelCosts, StepBound, best_rates
 from benchmarks.common import (
     build_engine,
     format_table,
-    measure_matmul_flops,
     progress,
     ratio,
 )
@@ -46,6 +46,7 @@ TARGETS = {
     "vs_transformers_static": 5.0,
     "vs_transformers_generate_batch": 3.0,
     "roofline_fraction": 0.25,
+    "physical_bound_share": 0.6,  # the GPU target (H100, 8B shape)
     "kv_waste_at_peak": 0.04,
 }
 
@@ -107,13 +108,15 @@ def run_conveyor(engine, workload: Workload, policy: str) -> tuple[SystemRun, li
         engine.add_request(prompt, benchmark_params(n), request_id=f"{policy}-{i}")
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens))
     ]
+    bound = StepBound(ModelCosts.of(engine.runner.model_config, engine.runner.dtype), requests)
     while engine.has_unfinished():
         time.sleep(engine.seconds_until_runnable())  # dynamic batching waits for its batch
         step_start = time.perf_counter()
         engine.step()
         step_seconds.append(time.perf_counter() - step_start)
         tracker.observe(engine.scheduler.running)
-    seconds = time.perf_counter() - start - tracker.seconds
+        bound.observe_step()
+    seconds = time.perf_counter() - start - tracker.seconds - bound.bookkeeping_s
     output_tokens = sum(r.num_output_tokens for r in requests)
     assert output_tokens == sum(workload.output_lens), "a request stopped early"
     details = {
@@ -123,7 +126,7 @@ def run_conveyor(engine, workload: Workload, policy: str) -> tuple[SystemRun, li
         / max(len(step_seconds), 1),
         "num_preemptions": dict(engine.scheduler.num_preemptions),
     }
-    run = SystemRun(f"conveyor_{policy}", seconds, output_tokens, details)
+    run = SystemRun(f"conveyor_{policy}", seconds, output_tokens, details, bound)
     return run, requests, tracker
 
 
@@ -138,26 +141,25 @@ def static_batches(requests) -> list[list[int]]:
 # ---- the benchmark --------------------------------------------------------------------------
 def run_offline_bench(args: argparse.Namespace) -> dict:
     engine = build_engine(args)
-    dtype = engine.runner.dtype
     vocab_size = engine.runner.model_config.vocab_size
     workload = (
         file_workload(engine, args.input) if args.input else synthetic_workload(args, vocab_size)
     )
     progress(f"workload: {workload.summary()}")
-    matmul_samples = [sample_matmul_flops(dtype)]
+    rates = [sample_rates(engine)]
     runs, kv = run_conveyor_systems(engine, workload)
-    matmul_samples.append(sample_matmul_flops(dtype))
+    rates.append(sample_rates(engine))
     rounds, unavailable = [], {}
     if not args.skip_transformers:
-        model = load_transformers_model(engine.model_dir, engine.runner.dtype)
+        model = load_transformers_model(engine.model_dir, engine.runner.dtype, engine.runner.device)
         batches = runs[1].details["batches"]
         runs += run_transformers_systems(model, engine, workload, batches, unavailable)
-        matmul_samples.append(sample_matmul_flops(dtype))
+        rates.append(sample_rates(engine))
         by_name = {run.name: run for run in runs}
         if "transformers_generate_batch" in by_name:
             first = (by_name["conveyor_continuous"], by_name["transformers_generate_batch"])
             rounds = run_paired_rounds(engine, model, workload, first, args.rounds)
-    result = build_result(args, engine, workload, runs, kv, matmul_samples, rounds)
+    result = build_result(args, engine, workload, runs, kv, rates, rounds)
     result["unavailable"] = unavailable
     return result
 
@@ -186,12 +188,15 @@ def run_paired_rounds(engine, model, workload: Workload, first, num_rounds: int)
     ]
 
 
-def sample_matmul_flops(dtype: torch.dtype) -> float:
-    """Sampled before, between and after the runs: the best sample is the machine's rate (a
-    sample slowed by other load would flatter the roofline fraction)."""
-    flops = measure_matmul_flops(dtype)
-    progress(f"matmul: {flops / 1e9:.0f} GFLOP/s in {dtype}")
-    return flops
+def sample_rates(engine) -> DeviceRates:
+    """Copy bandwidth and matmul rate on the engine's device, sampled before, between and after
+    the runs (the bound uses the best of each)."""
+    rates = DeviceRates.measure(engine.runner.device, engine.runner.dtype)
+    progress(
+        f"device rates: copy {rates.copy_bytes_per_s / 1e9:.0f} GB/s, "
+        f"matmul {rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s in {engine.runner.dtype}"
+    )
+    return rates
 
 
 def run_conveyor_systems(engine, workload: Workload) -> tuple[list[SystemRun], KVWasteTracker]:
@@ -230,9 +235,10 @@ def run_transformers_systems(
 
 
 def build_result(
-    args, engine, workload, runs, kv: KVWasteTracker, matmul_samples, rounds: list[dict]
+    args, engine, workload, runs, kv: KVWasteTracker, rate_samples, rounds: list[dict]
 ) -> dict:
-    matmul_flops = max(matmul_samples)
+    rates = best_rates(rate_samples)
+    matmul_flops = rates.matmul_flops_per_s
     by_name = {run.name: run for run in runs}
     conveyor = by_name["conveyor_continuous"].output_tokens_per_s
     flops_per_token = 2 * engine.runner.model_config.num_parameters
@@ -245,12 +251,15 @@ def build_result(
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "machine": machine_facts(engine),
         "workload": workload.summary(),
-        "systems": {run.name: system_entry(run, conveyor) for run in runs},
+        "systems": {run.name: system_entry(run, conveyor, rates) for run in runs},
+        "physical_bound": by_name["conveyor_continuous"].bound.summary(
+            rates, by_name["conveyor_continuous"].seconds
+        ),
         "roofline": {
             "num_parameters": engine.runner.model_config.num_parameters,
             "flops_per_output_token": flops_per_token,
             "matmul_flops_per_s": matmul_flops,
-            "matmul_flops_per_s_samples": matmul_samples,
+            "matmul_flops_per_s_samples": [r.matmul_flops_per_s for r in rate_samples],
             "roofline_output_tokens_per_s": matmul_flops / flops_per_token,
             "fraction": conveyor * flops_per_token / matmul_flops,
             "fraction_counting_prompt_tokens": all_tokens_per_s * flops_per_token / matmul_flops,
@@ -262,14 +271,17 @@ def build_result(
     return result
 
 
-def system_entry(run: SystemRun, conveyor_tokens_per_s: float) -> dict:
-    return {
+def system_entry(run: SystemRun, conveyor_tokens_per_s: float, rates: DeviceRates) -> dict:
+    entry = {
         "seconds": run.seconds,
         "output_tokens": run.output_tokens,
         "output_tokens_per_s": run.output_tokens_per_s,
         "conveyor_continuous_speedup": ratio(conveyor_tokens_per_s, run.output_tokens_per_s),
         **run.details,
     }
+    if run.bound is not None:
+        entry["physical_bound_share"] = run.bound.seconds(rates) / run.seconds
+    return entry
 
 
 def machine_facts(engine) -> dict:
@@ -295,6 +307,7 @@ def check_targets(result: dict) -> dict:
         "vs_transformers_static": speedup("transformers_static"),
         "vs_transformers_generate_batch": statistics.median(rounds) if rounds else None,
         "roofline_fraction": result["roofline"]["fraction"],
+        "physical_bound_share": result["physical_bound"]["share"],
         "kv_waste_at_peak": result["kv_cache"]["waste_at_peak"],
     }
     met = {
@@ -328,6 +341,13 @@ def print_offline_report(result: dict) -> None:
         f"{roof['roofline_output_tokens_per_s']:.0f} output tok/s; Conveyor reaches "
         f"{100 * roof['fraction']:.1f}% ({100 * roof['fraction_counting_prompt_tokens']:.1f}% "
         "counting prompt tokens too)"
+    )
+    bound = result["physical_bound"]
+    print(
+        f"physical bound: {bound['bound_seconds']:.2f} s over {bound['num_steps']} steps "
+        f"(copy {bound['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul "
+        f"{bound['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s); Conveyor continuous took "
+        f"{bound['measured_seconds']:.2f} s = {100 * bound['share']:.1f}% of the hardware's speed"
     )
     print(
         f"KV cache: waste at peak {100 * kv['waste_at_peak']:.2f}% "

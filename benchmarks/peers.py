@@ -18,7 +18,7 @@ from benchmarks.workload import SystemRun, Workload
 
 
 # ---- transformers ---------------------------------------------------------------------------
-def load_transformers_model(model_dir: Path, dtype: torch.dtype):
+def load_transformers_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -27,7 +27,7 @@ def load_transformers_model(model_dir: Path, dtype: torch.dtype):
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=dtype, attn_implementation="sdpa"
     )
-    return model.to("cpu").eval()
+    return model.to(device).eval()
 
 
 def generate_padded(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int) -> None:
@@ -35,8 +35,12 @@ def generate_padded(model, prompts: list[list[int]], max_new_tokens: int, pad_id
     from transformers import GenerationConfig
 
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor(
+        [[pad_id] * (width - len(p)) + p for p in prompts], device=model.device
+    )
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device
+    )
     config = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,

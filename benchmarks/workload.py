@@ -8,6 +8,7 @@ import argparse
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import (
     log_uniform_lengths,
@@ -45,6 +46,7 @@ class SystemRun:
     seconds: float
     output_tokens: int
     details: dict = field(default_factory=dict)
+    bound: Any = field(default=None, repr=False)  # a benchmarks.bound.StepBound for Conveyor
 
     @property
     def output_tokens_per_s(self) -> float:

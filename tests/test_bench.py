@@ -72,6 +72,11 @@ def test_bench_offline(tiny_model_dir, tmp_path):
         systems["transformers_static"]["batch_sizes"] == systems["conveyor_static"]["batch_sizes"]
     )
     assert 0 < result["roofline"]["fraction"] < 1
+    bound = result["physical_bound"]
+    assert 0 < bound["bound_seconds"] < bound["measured_seconds"]
+    assert bound["share"] == pytest.approx(systems["conveyor_continuous"]["physical_bound_share"])
+    assert bound["num_steps"] == systems["conveyor_continuous"]["num_steps"]
+    assert "physical_bound_share" not in systems["transformers_static"]
     assert 0 <= result["kv_cache"]["waste_at_peak"] < 1
     assert result["kv_cache"]["peak_allocated_blocks"] > 0
     assert set(result["targets"]["met"]) == set(result["targets"]["target"])
@@ -182,3 +187,25 @@ def test_bench_offline_reports_a_peer_that_cannot_run_instead_of_crashing(
     assert result["paired_rounds"] == []
     assert result["targets"]["measured"]["vs_transformers_generate_batch"] is None
     assert result["systems"]["transformers_static"]["output_tokens"] > 0
+
+
+def test_step_bound_counts_weights_kv_and_causal_attention_per_step():
+    from types import SimpleNamespace
+
+    from benchmarks.bound import DeviceRates, ModelCosts, StepBound
+
+    costs = ModelCosts(
+        weight_bytes=1000, kv_bytes_per_token=10, flops_per_token=100, attention_flops_per_pair=1
+    )
+    request = SimpleNamespace(num_computed_tokens=0)
+    bound = StepBound(costs, [request])
+    request.num_computed_tokens = 4  # a prefill of 4: causal pairs 1 + 2 + 3 + 4
+    bound.observe_step()
+    bound.observe_step()  # a step that did nothing for it adds nothing
+    request.num_computed_tokens = 5  # one decode token attends to 5
+    bound.observe_step()
+    assert bound.steps == [(4, 4, 10), (1, 5, 5)]
+    memory_bound = DeviceRates(copy_bytes_per_s=100.0, matmul_flops_per_s=1e9)
+    assert bound.seconds(memory_bound) == pytest.approx((1000 + 40) / 100 + (1000 + 50) / 100)
+    compute_bound = DeviceRates(copy_bytes_per_s=1e12, matmul_flops_per_s=10.0)
+    assert bound.seconds(compute_bound) == pytest.approx((400 + 10) / 10 + (100 + 5) / 10)
