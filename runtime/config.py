@@ -10,6 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.flags import add_flags, model_values
+from scheduler.scheduler import POLICIES, PREEMPTION_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,7 +54,7 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(
         None, ge=1, description="context length (default: the model's)"
     )
-    scheduling: Literal["priority", "fcfs", "static", "dynamic"] = Field(
+    scheduling: Literal[POLICIES] = Field(
         "priority",
         description="priority/fcfs: continuous batching; static: a batch runs to completion; "
         "dynamic: as static, but a batch waits up to --batch-window for max-num-seqs requests",
@@ -64,7 +65,7 @@ class EngineConfig(BaseModel):
         description="dynamic batching: seconds the oldest waiting request waits for a batch",
         json_schema_extra={"metavar": "SECONDS"},
     )
-    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
+    preemption_mode: Literal[PREEMPTION_MODES] = Field(
         "auto", description="auto: the cost model picks swap or recompute per victim"
     )
     priority_aging: float | None = Field(
