@@ -1,9 +1,9 @@
-"""Kernel checks and decode-attention bandwidth on a real GPU.
+"""`conveyor bench gpu`: kernel checks and decode-attention bandwidth on a real GPU.
 
-    python benchmarks/gpu.py            # exits 1 on a mismatch, 0 otherwise (and on CPU)
+    conveyor bench gpu            # exits 1 on a mismatch, 0 otherwise (and on CPU)
 
 1. Correctness in bfloat16: each Triton kernel against its torch reference (run in float32 on
-   the same bf16 values) on random inputs, plus CUDA-graph capture of decode and swap copies.
+   the same bf16 values) on random inputs, plus CUDA-graph capture of decode.
 2. Decode attention bandwidth at long contexts: bytes of K/V read / time, as a share of the
    device-to-device copy bandwidth measured here (read + write bytes / time); target >= 70%.
 """
@@ -11,13 +11,10 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels import reference  # noqa: E402
+from kernels import reference
 
 DTYPE = torch.bfloat16
 TOLERANCE = 1.5e-2  # relative norm error in bf16
@@ -158,19 +155,6 @@ def check_decode_graph(kernels, num_heads, num_kv_heads, head_dim) -> float:
     return relative_error(out, expected)
 
 
-def check_swap_blocks() -> float:
-    from kernels.triton_kvcache import swap_blocks
-
-    gpu = torch.randn(2, 3, 64, BLOCK_SIZE, 3, 64, device=DEVICE, dtype=DTYPE)
-    cpu = torch.zeros(2, 3, 32, BLOCK_SIZE, 3, 64, dtype=DTYPE, pin_memory=True)
-    mapping = [(5, 0), (6, 1), (7, 2), (40, 9)]
-    swap_blocks(gpu, cpu, mapping, block_dim=2).synchronize()
-    back = torch.zeros_like(gpu)
-    swap_blocks(cpu, back, [(dst, src) for src, dst in mapping], block_dim=2).synchronize()
-    src_ids = [src for src, _ in mapping]
-    return float(not torch.equal(back[:, :, src_ids], gpu[:, :, src_ids]))
-
-
 def run_checks(kernels) -> bool:
     rows = []
     for name, num_heads, num_kv_heads, head_dim in MODEL_SHAPES:
@@ -181,8 +165,6 @@ def run_checks(kernels) -> bool:
         if DEVICE.type == "cuda":
             errors["decode in a CUDA graph"] = check_decode_graph(*shape)
         rows += [(name, check, error) for check, error in errors.items()]
-    if DEVICE.type == "cuda":
-        rows.append(("-", "swap_blocks (1 = differs)", check_swap_blocks()))
     print(f"\n{'shape':14} {'check':30} {'rel. error':>10}  result")
     for name, check, error in rows:
         print(f"{name:14} {check:30} {error:10.2e}  {'ok' if error < TOLERANCE else 'MISMATCH'}")
@@ -226,6 +208,11 @@ def decode_bandwidth_table(kernels, copy_bytes_per_s: float) -> float:
                 f"{ms * 1e3:8.1f} {bandwidth / 1e9:7.0f} {bandwidth / copy_bytes_per_s:6.0%}"
             )
     return best
+
+
+def register(sub) -> None:
+    p = sub.add_parser("gpu", help="Triton kernels against their references, decode bandwidth")
+    p.set_defaults(func=lambda args: main())
 
 
 def main() -> int:

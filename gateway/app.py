@@ -17,12 +17,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway import admin, lifecycle, metrics, openai_api, retention
+from gateway import lifecycle, metrics_routes
+from gateway.admin import routes as admin
 from gateway.appkeys import (
     AUDIT,
     AUTHENTICATOR,
-    DB_ENGINE,
-    ENGINE,
+    DATABASE,
+    ENGINE_CLIENT,
     PRINCIPAL,
     RATE_LIMITER,
     REDIS,
@@ -32,6 +33,7 @@ from gateway.appkeys import (
     Principal,
     ServingState,
 )
+from gateway.audit import retention
 from gateway.errors import (
     add_request_id_header,
     error_middleware,
@@ -40,6 +42,7 @@ from gateway.errors import (
     overloaded,
     request_id_middleware,
 )
+from gateway.openai import routes as openai_routes
 from gateway.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -60,13 +63,13 @@ def create_app(settings: ServeSettings) -> web.Application:
         [database_ctx, redis_ctx, audit_ctx, authenticator_ctx, demo_tenant_ctx, engine_ctx]
     )
     app.cleanup_ctx.append(retention.audit_retention_ctx)
-    metrics.install(app)  # app[METRICS], GET /metrics and the step-rate sampler
+    metrics_routes.install(app)  # app[METRICS], GET /metrics and the step-rate sampler
     app.on_response_prepare.append(add_request_id_header)
     app.on_response_prepare.append(lifecycle.close_connection_while_draining)
     app.on_shutdown.append(start_draining)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    openai_api.add_routes(app.router)
+    openai_routes.add_routes(app.router)
     app.add_subapp("/admin", admin.create_admin_app())
     return app
 
@@ -79,15 +82,15 @@ async def database_ctx(app: web.Application) -> AsyncIterator[None]:
     if app[SETTINGS].auto_migrate:
         await asyncio.to_thread(upgrade, url)
     engine = make_async_engine(url)
-    app[DB_ENGINE] = engine
+    app[DATABASE] = engine
     app[SESSIONMAKER] = make_sessionmaker(engine)
     yield
     await engine.dispose()
 
 
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
-    from gateway.ratelimit import RateLimiter
     from gateway.redis_client import make_redis
+    from gateway.tenancy.ratelimit import RateLimiter
 
     settings = app[SETTINGS]
     redis = make_redis(settings.redis_url)
@@ -105,13 +108,13 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def audit_ctx(app: web.Application) -> AsyncIterator[None]:
-    from gateway.audit import AuditWriter
+    from gateway.audit.writer import AuditWriter
 
     if not app[SETTINGS].audit:  # --no-audit: nothing is recorded (benchmarks compare)
         app[AUDIT] = None
         yield
         return
-    writer = AuditWriter(app[DB_ENGINE], Path(app[SETTINGS].audit_spool_path))
+    writer = AuditWriter(app[DATABASE], Path(app[SETTINGS].audit_spool_path))
     writer.start()
     app[AUDIT] = writer
     yield
@@ -119,7 +122,7 @@ async def audit_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def authenticator_ctx(app: web.Application) -> AsyncIterator[None]:
-    from gateway.tenants import Authenticator, KeyHasher
+    from gateway.tenancy.keys import Authenticator, KeyHasher
 
     hasher = KeyHasher(app[SETTINGS].effective_key_hash_secret)
     authenticator = Authenticator(app[SESSIONMAKER], hasher)
@@ -137,17 +140,18 @@ async def demo_tenant_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
-    from runtime.engine import AsyncEngine, Engine
+    from runtime.engine import Engine
+    from runtime.engine_client import EngineClient
 
     engine = await asyncio.to_thread(Engine, app[SETTINGS].engine_config())
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    app[ENGINE] = async_engine
+    client = EngineClient(engine)
+    client.start()
+    app[ENGINE_CLIENT] = client
     log.info(
         "model %s loaded: %d KV blocks", engine.model_name, engine.block_manager.num_gpu_blocks
     )
     yield
-    await asyncio.to_thread(async_engine.stop)
+    await asyncio.to_thread(client.stop)
 
 
 async def start_draining(app: web.Application) -> None:
@@ -158,14 +162,8 @@ async def start_draining(app: web.Application) -> None:
 # ---- demo tenant -------------------------------------------------------------------------------
 async def create_demo_tenant_if_none(app: web.Application) -> str | None:
     """On a first start (no tenants at all) create `demo` and return its key's plaintext."""
-    from gateway.tenants import (
-        KeyHasher,
-        TenantCreate,
-        TenantNameTaken,
-        create_key,
-        create_tenant,
-        list_tenants,
-    )
+    from gateway.tenancy.keys import KeyHasher, create_key
+    from gateway.tenancy.tenants import TenantCreate, TenantNameTaken, create_tenant, list_tenants
 
     hasher = KeyHasher(app[SETTINGS].effective_key_hash_secret)
     try:
@@ -262,14 +260,14 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 def is_engine_running(app: web.Application) -> bool:
-    engine = app.get(ENGINE)
-    return engine is not None and engine.thread.is_alive() and not engine.stopping
+    client = app.get(ENGINE_CLIENT)
+    return client is not None and client.is_running
 
 
 async def is_database_reachable(app: web.Application) -> bool:
     from gateway.db import check_database
 
-    return await check_database(app[DB_ENGINE])
+    return await check_database(app[DATABASE])
 
 
 async def is_redis_reachable(app: web.Application) -> bool:

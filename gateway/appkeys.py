@@ -13,9 +13,9 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
     from gateway.metrics import Metrics
-    from gateway.ratelimit import RateLimiter
     from gateway.settings import ServeSettings
-    from runtime.engine import AsyncEngine
+    from gateway.tenancy.ratelimit import RateLimiter
+    from runtime.engine_client import EngineClient
 
 
 @dataclass
@@ -37,11 +37,11 @@ class Principal:
 
 # ---- application --------------------------------------------------------------------------
 SETTINGS: web.AppKey[ServeSettings] = web.AppKey("settings")
-ENGINE: web.AppKey[AsyncEngine] = web.AppKey("engine")
+ENGINE_CLIENT: web.AppKey[EngineClient] = web.AppKey("engine_client")
 SERVING_STATE: web.AppKey[ServingState] = web.AppKey("serving_state")
 REDIS: web.AppKey[aioredis.Redis] = web.AppKey("redis")
 RATE_LIMITER: web.AppKey[RateLimiter] = web.AppKey("rate_limiter")
-DB_ENGINE: web.AppKey[SqlEngine] = web.AppKey("db_engine")
+DATABASE: web.AppKey[SqlEngine] = web.AppKey("database")
 SESSIONMAKER: web.AppKey[async_sessionmaker[AsyncSession]] = web.AppKey("sessionmaker")
 AUTHENTICATOR: web.AppKey[Any] = web.AppKey("authenticator")
 AUDIT: web.AppKey[Any] = web.AppKey("audit_writer")  # None when audit is off (--no-audit)

@@ -14,10 +14,10 @@ from pathlib import Path
 # modules with `register(subparsers)`, by the commands each adds
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "gateway.serve": ("serve",),
-    "gateway.admin_cli": ("tenants", "keys", "db"),
+    "gateway.admin.cli": ("tenants", "keys", "db"),
 }
 # modules with `register_bench(bench_subparsers)`: each adds `conveyor bench <name>`
-BENCH_MODULES: list[str] = ["runtime.benchmark", "gateway.bench_serve"]
+BENCH_MODULES: list[str] = ["benchmarks.cli"]
 
 
 def register_generate(sub) -> None:

@@ -30,7 +30,7 @@ import time
 
 from aiohttp import web
 
-from gateway.appkeys import ENGINE, SERVING_STATE
+from gateway.appkeys import ENGINE_CLIENT, SERVING_STATE
 from gateway.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -105,13 +105,8 @@ class Lifecycle:
 
 def abort_engine_requests(app: web.Application) -> int:
     """Abort every request the engine still streams; each stream ends with reason "abort"."""
-    engine = app.get(ENGINE)
-    if engine is None:
-        return 0
-    request_ids = list(engine.streams)
-    for request_id in request_ids:
-        engine.abort(request_id)
-    return len(request_ids)
+    client = app.get(ENGINE_CLIENT)
+    return 0 if client is None else client.abort_all()
 
 
 async def close_connection_while_draining(

@@ -1,9 +1,8 @@
 """Prometheus metrics, vLLM-style names under `conveyor:`, one registry per application.
 
 Request metrics are observed by the gateway when an HTTP request settles (`observe_finished`) or
-is refused (`observe_refused`). Engine gauges and counters are read at scrape time from the live
-engine by `EngineCollector`, with plain attribute reads and list copies only: the engine thread
-is never locked or waited for.
+is refused (`observe_refused`). Engine gauges and counters come from the `EngineSnapshot` the scrape
+takes first (`EngineClient.snapshot`, copied on the engine thread between two steps).
 
     conveyor:num_requests_running / _waiting / _swapped        gauges
     conveyor:num_requests_waiting_by_priority{priority}        gauge (the Helm dashboard)
@@ -20,19 +19,16 @@ is never locked or waited for.
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
-from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from gateway.appkeys import ENGINE, METRICS
+if TYPE_CHECKING:
+    from runtime.engine_client import EngineSnapshot
 
 prometheus_client.disable_created_metrics()  # no `_created` series, as vLLM
 
@@ -48,10 +44,11 @@ STEP_SAMPLE_INTERVAL_S = 1.0
 
 
 class Metrics:
-    def __init__(self, get_engine: Callable[[], Any] = lambda: None) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.step_rate = StepRate()
-        self.registry.register(EngineCollector(get_engine))
+        self.engine_collector = EngineCollector()
+        self.registry.register(self.engine_collector)
         r = self.registry
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
@@ -101,7 +98,7 @@ class Metrics:
 
     # ---- what the gateway observes ----------------------------------------------------------
     def observe_finished(self, tracker: Any) -> None:
-        """An admitted request has settled (`gateway.openai_api.Tracker`)."""
+        """An admitted request has settled (`gateway.openai.tracking.Tracker`)."""
         plan = tracker.plan
         tenant = plan.principal.tenant.name
         num_generated = tracker.total_output_tokens
@@ -124,7 +121,9 @@ class Metrics:
     def observe_refused(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(tenant, reason).inc()
 
-    def render(self) -> bytes:
+    def render(self, snapshot: EngineSnapshot | None = None) -> bytes:
+        """The exposition text; engine series only with a snapshot (none before the model)."""
+        self.engine_collector.snapshot = snapshot
         return prometheus_client.generate_latest(self.registry)
 
 
@@ -149,48 +148,46 @@ class StepRate:
 
 
 class EngineCollector:
-    """Engine state at scrape time; the engine thread keeps running meanwhile."""
+    """Engine series from the snapshot of the scrape being rendered."""
 
-    def __init__(self, get_engine: Callable[[], Any]) -> None:
-        self.get_engine = get_engine
+    def __init__(self) -> None:
+        self.snapshot: EngineSnapshot | None = None
         self.priorities_seen: set[int] = set()  # report 0, not nothing, once a level has gone
 
     def describe(self):
         return []  # collected lazily: the engine may not be loaded yet
 
     def collect(self):
-        async_engine = self.get_engine()
-        if async_engine is None:
+        snapshot = self.snapshot
+        if snapshot is None:
             return
-        engine = async_engine.engine
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        waiting, running, swapped = (
-            list(scheduler.waiting),
-            list(scheduler.running),
-            list(scheduler.swapped),
+        yield gauge(
+            "num_requests_running", "Sequences running on the engine.", len(snapshot.running)
         )
-        yield gauge("num_requests_running", "Sequences running on the engine.", len(running))
-        yield gauge("num_requests_waiting", "Sequences waiting for the engine.", len(waiting))
-        yield gauge("num_requests_swapped", "Sequences swapped out to CPU.", len(swapped))
-        yield self.waiting_by_priority(waiting)
-        yield gauge("kv_cache_usage_perc", "GPU KV cache usage (0..1).", blocks.gpu_usage)
-        cpu_usage = blocks.cpu_usage if blocks.num_cpu_blocks else 0.0
-        yield gauge("cpu_kv_cache_usage_perc", "CPU swap pool usage (0..1).", cpu_usage)
+        yield gauge(
+            "num_requests_waiting", "Sequences waiting for the engine.", len(snapshot.waiting)
+        )
+        yield gauge("num_requests_swapped", "Sequences swapped out to CPU.", len(snapshot.swapped))
+        yield self.waiting_by_priority(snapshot.waiting)
+        yield gauge("kv_cache_usage_perc", "GPU KV cache usage (0..1).", snapshot.gpu_kv_usage)
+        yield gauge("cpu_kv_cache_usage_perc", "CPU swap pool usage (0..1).", snapshot.cpu_kv_usage)
         yield counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-            blocks.num_prefix_queries,
+            snapshot.num_prefix_queries,
         )  # fmt: skip
         yield counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", blocks.num_prefix_hits
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            snapshot.num_prefix_hits,
         )
         preemptions = CounterMetricFamily(
             PREFIX + "num_preemptions", "Preemptions by mode.", labels=["mode"]
         )
-        for mode, count in dict(scheduler.num_preemptions).items():
+        for mode, count in snapshot.num_preemptions.items():
             preemptions.add_metric([mode], count)
         yield preemptions
 
-    def waiting_by_priority(self, waiting: list[Any]) -> GaugeMetricFamily:
+    def waiting_by_priority(self, waiting) -> GaugeMetricFamily:
         counts = collections.Counter(request.priority for request in waiting)
         self.priorities_seen.update(counts)
         family = GaugeMetricFamily(
@@ -209,32 +206,3 @@ def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(PREFIX + name, documentation, value=value)
-
-
-# ---- the application side ----------------------------------------------------------------------
-def install(app: web.Application) -> None:
-    """A registry for this app, `GET /metrics`, and the step-rate sampler."""
-    app[METRICS] = Metrics(lambda: app.get(ENGINE))
-    app.router.add_get("/metrics", metrics_handler)
-    app.cleanup_ctx.append(step_rate_ctx)
-
-
-async def metrics_handler(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render()
-    return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
-
-
-async def step_rate_ctx(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(sample_step_rate(app), name="step-rate-sampler")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-async def sample_step_rate(app: web.Application) -> None:
-    while True:
-        engine = app.get(ENGINE)
-        if engine is not None:
-            app[METRICS].step_rate.sample(engine.engine.num_steps)
-        await asyncio.sleep(STEP_SAMPLE_INTERVAL_S)

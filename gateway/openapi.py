@@ -1,25 +1,25 @@
 """OpenAPI 3.1 documents built from the same pydantic models the handlers validate with.
 
-Each admin route is declared once as a `Route` (method, path, handler, body/query/response
-models); `gateway.admin` registers the handlers from that table and `/admin/openapi.json` is
-rendered from it, so the document cannot drift from what the server accepts. The OpenAI routes
-are described by `OPENAI_ROUTES` over the request models in `gateway.openai_api` and the response
-models below.
+Each route is declared once as a `Route` (method, path, handler, body/query/response models);
+the app registers the handlers from that table and the document is rendered from it, so the
+document cannot drift from what the server accepts (`gateway.admin.routes` for `/admin`,
+`gateway.openai.routes` for `/v1`).
 """
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
 PATH_PARAM = re.compile(r"\{(\w+)\}")
 
 
@@ -159,139 +159,6 @@ def query_parameters(route: Route) -> list[dict[str, Any]]:
 
 
 BEARER_ADMIN = {"adminToken": {"type": "http", "scheme": "bearer", "description": "admin token"}}
+
+
 BEARER_KEY = {"apiKey": {"type": "http", "scheme": "bearer", "description": "tenant API key"}}
-
-
-# ---- the OpenAI routes' responses -------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    system_fingerprint: str | None
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-    refusal: None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str
-    refusal: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    system_fingerprint: str | None
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    system_fingerprint: str | None
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int = Field(description="prompt + completion tokens the model can hold")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-def openai_routes() -> list[Route]:
-    from gateway import openai_api
-    from gateway.admin_requests import RequestDetailOut
-
-    return [
-        Route("POST", "/completions", openai_api.create_completion, "Create a completion",
-              body=openai_api.CompletionRequest, responses={200: Completion},
-              streams=Completion),
-        Route("POST", "/chat/completions", openai_api.create_chat_completion,
-              "Create a chat completion", body=openai_api.ChatCompletionRequest,
-              responses={200: ChatCompletion}, streams=ChatCompletionChunk),
-        Route("GET", "/models", openai_api.list_models, "List models",
-              responses={200: ModelList}),
-        Route("GET", "/models/{model}", openai_api.retrieve_model, "Retrieve a model",
-              responses={200: ModelCard}),
-        Route("GET", "/requests/{request_id}", openai_api.get_own_request,
-              "One of your requests: its audit record, events and the explanation of its delays",
-              responses={200: RequestDetailOut}),
-    ]  # fmt: skip
-
-
-@functools.cache
-def openai_document() -> dict[str, Any]:
-    return build_document("Conveyor OpenAI-compatible API", "/v1", openai_routes(), BEARER_KEY)

@@ -1,15 +1,10 @@
-"""Engine: the synchronous step loop (schedule -> run -> update -> detokenize).
-AsyncEngine: the same loop on its own thread; asyncio callers submit and stream outputs."""
+"""Engine: the synchronous step loop (schedule -> run -> update -> detokenize). Asyncio callers
+reach it through `runtime.engine_client.EngineClient`, which runs it on its own thread."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import queue
-import threading
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,7 +40,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)
     events: list[Any] = field(default_factory=list)  # new since the last output
-    request: Request | None = None
+    arrival_time: float = 0.0  # the engine's monotonic clock
+    first_scheduled_time: float | None = None
 
 
 _ids = itertools.count()
@@ -97,6 +93,7 @@ class Engine:
             policy=c.scheduling,
             preemption_mode=c.preemption_mode,
             priority_aging_s=c.priority_aging,
+            batch_window_s=c.batch_window,
         )
 
     def _measure_costs(self) -> PreemptionCostModel:
@@ -176,6 +173,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def seconds_until_runnable(self) -> float:
+        """How long a step would do nothing (dynamic batching waiting for its batch)."""
+        return self.scheduler.seconds_until_runnable()
+
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
@@ -220,7 +221,8 @@ class Engine:
             num_cached_tokens=request.num_cached_prefix_tokens,
             logprobs=list(logprobs),
             events=request.events[sent:],
-            request=request,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
         )
 
     def _finish_output(self, request: Request, token_ids, text, logprobs=()) -> RequestOutput:
@@ -239,127 +241,3 @@ class Engine:
         while self.has_unfinished():
             self.step()
         return requests
-
-
-class AsyncEngine:
-    """Runs Engine.step on a dedicated thread; the event loop never runs model code."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.wakeup = threading.Event()
-        self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name="conveyor-engine", daemon=True)
-        self.step_times: list[float] = []
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping = True
-        self.wakeup.set()
-        if self.thread.is_alive():
-            self.thread.join(timeout=30)
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
-
-    def submit(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        tenant: str = "default",
-        weight: float = 1.0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Validates now (raises RequestError) and returns the request's stream of outputs."""
-        self.engine.validate(prompt_token_ids, params)
-        request_id = request_id or f"req-{next(_ids)}"
-        stream: asyncio.Queue = asyncio.Queue()
-        self.streams[request_id] = (asyncio.get_running_loop(), stream)
-        self.commands.put(("add", (prompt_token_ids, params, request_id, priority, tenant, weight)))
-        self.wakeup.set()
-        return self._iterate(request_id, stream)
-
-    async def _iterate(
-        self, request_id: str, stream: asyncio.Queue
-    ) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            if self.streams.pop(request_id, None) is not None:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self.commands.put(("abort", request_id))
-        self.wakeup.set()
-
-    # ---- engine thread ----------------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self.stopping:
-            self._apply_commands()
-            if not self.engine.has_unfinished():
-                self.wakeup.wait(timeout=0.5)
-                self.wakeup.clear()
-                continue
-            start = time.perf_counter()
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # a bug must not hang every client: fail them and go on
-                log.exception("engine step failed")
-                self._fail_all(e)
-                continue
-            self.step_times.append(time.perf_counter() - start)
-            del self.step_times[:-100]
-            for output in outputs:
-                self._deliver(output)
-
-    def _apply_commands(self) -> None:
-        while True:
-            try:
-                kind, payload = self.commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._add(*payload)
-            elif kind == "abort":
-                output = self.engine.abort(payload)
-                if output is not None:
-                    self._deliver(output)
-
-    def _add(self, prompt_token_ids, params, request_id, priority, tenant, weight) -> None:
-        if request_id not in self.streams:  # the client left before the engine saw it
-            return
-        try:
-            self.engine.add_request(prompt_token_ids, params, request_id, priority, tenant, weight)
-        except Exception as e:
-            self._deliver_to(request_id, e)
-
-    def _deliver(self, output: RequestOutput) -> None:
-        self._deliver_to(output.request_id, output)
-        if output.finished:  # the stream holds its queue; the table entry is no longer needed
-            self.streams.pop(output.request_id, None)
-
-    def _deliver_to(self, request_id: str, item) -> None:
-        target = self.streams.get(request_id)
-        if target is None:
-            return
-        loop, stream = target
-        try:
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-        except RuntimeError:  # its event loop is closed
-            self.streams.pop(request_id, None)
-
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self.engine.scheduler.requests):
-            self.engine.abort(request_id)
-            self._deliver_to(request_id, RuntimeError(f"engine failure: {error}"))

@@ -13,7 +13,7 @@ from typing import Any
 from tqdm import tqdm
 
 from runtime.engine import Engine, RequestError
-from scheduler.request import SamplingParams
+from scheduler.request import Request, SamplingParams
 
 PARAM_FIELDS = (
     "max_tokens",
@@ -84,7 +84,7 @@ def run_offline(
 ) -> list[dict]:
     items = [parse_line(engine, i, line) for i, line in enumerate(lines) if line.strip()]
     pending = sorted((it for it in items if it.error is None), key=lambda it: it.arrival_time)
-    by_request: dict[str, OfflineItem] = {}
+    by_request: dict[str, tuple[OfflineItem, Request]] = {}  # the engine runs on this thread
     start = time.monotonic()
     bar = tqdm(total=len(pending), disable=not progress, unit="req", desc="generate")
     while pending or engine.has_unfinished():
@@ -95,20 +95,20 @@ def run_offline(
             continue
         for output in engine.step():
             if output.finished:
-                item = by_request[output.request_id]
-                item.result = _result(item, output.request, start, with_events)
+                item, request = by_request[output.request_id]
+                item.result = _result(item, request, start, with_events)
                 bar.update(1)
     bar.close()
     return [_line_out(it) for it in items]
 
 
-def _submit(engine: Engine, item: OfflineItem, by_request: dict[str, OfflineItem]) -> None:
+def _submit(engine: Engine, item: OfflineItem, by_request: dict) -> None:
     request_id = f"{item.index}:{item.id}"
     try:
-        engine.add_request(
+        request = engine.add_request(
             item.prompt_token_ids, item.params, request_id, item.priority, item.tenant
         )
-        by_request[request_id] = item
+        by_request[request_id] = (item, request)
     except RequestError as e:
         item.error = f"line {item.index + 1}: {e}"
 

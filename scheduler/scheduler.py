@@ -18,7 +18,9 @@ from scheduler import events as ev
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, RequestStatus
 
-POLICIES = ("priority", "fcfs", "static")
+POLICIES = ("priority", "fcfs", "static", "dynamic")
+# request-level batching: a batch runs to completion before the line is looked at again
+BATCH_POLICIES = ("static", "dynamic")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
@@ -30,6 +32,7 @@ class SchedulerConfig:
     policy: str = "priority"
     preemption_mode: str = "auto"
     priority_aging_s: float | None = None
+    batch_window_s: float = 0.05  # dynamic: the oldest waiting request waits at most this long
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -38,6 +41,8 @@ class SchedulerConfig:
             raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}")
         if self.max_num_seqs < 1 or self.max_batch_tokens < 1:
             raise ValueError("max_num_seqs and max_batch_tokens must be positive")
+        if self.batch_window_s < 0:
+            raise ValueError("batch_window_s must not be negative")
 
 
 @dataclass
@@ -137,6 +142,16 @@ class Scheduler:
             ahead_tenants=sorted({r.tenant for r in ahead}),
             ahead_priorities=sorted({r.priority for r in ahead}),
         )
+        if self.config.policy in BATCH_POLICIES and not self.can_admit(now):
+            ev.emit(
+                request,
+                ev.WAITING_FOR_BATCH,
+                now,
+                num_running=len(self.running),
+                num_waiting=len(self.waiting),
+                batch_size=self.config.max_num_seqs,
+                window_s=self.config.batch_window_s,
+            )
 
     def _start_fair_share(self, tenant: str) -> None:
         """A tenant new to the line starts at the current minimum, so it cannot bank credit."""
@@ -172,9 +187,34 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput(budget=self.config.max_batch_tokens)
         self._schedule_running(out, now)
-        if self.config.policy != "static" or not self.running:
+        if self.can_admit(now):
             self._schedule_line(out, now)
         return out
+
+    def can_admit(self, now: float) -> bool:
+        """Continuous policies admit every step. A static or dynamic batch runs to completion
+        first; a dynamic batch then starts once `max_num_seqs` requests wait or the oldest has
+        waited `batch_window_s`."""
+        if self.config.policy not in BATCH_POLICIES:
+            return True
+        if self.running:
+            return False
+        if self.config.policy == "static" or self.swapped:
+            return True
+        return self.seconds_until_batch(now) == 0.0
+
+    def seconds_until_batch(self, now: float) -> float:
+        """Dynamic batching: how long until the waiting line forms a batch (0: it does now)."""
+        if not self.waiting or len(self.waiting) >= self.config.max_num_seqs:
+            return 0.0
+        oldest = min(request.arrival_time for request in self.waiting)
+        return max(0.0, oldest + self.config.batch_window_s - now)
+
+    def seconds_until_runnable(self) -> float:
+        """How long the engine may sleep before a step could do anything (0: step now)."""
+        if self.config.policy != "dynamic" or self.running or self.swapped:
+            return 0.0
+        return self.seconds_until_batch(self.clock())
 
     def _schedule_running(self, out: SchedulerOutput, now: float) -> None:
         for request in sorted(self.running, key=lambda r: self.urgency(r, now)):

@@ -357,6 +357,25 @@ def test_tenants_read_only_their_own_requests(server):
     assert admin(server, "GET", "/requests/no-such-request").status == 404
 
 
+def test_the_body_id_finds_the_record_as_soon_as_the_response_ends(server):
+    _, key_a = new_tenant(server)
+    _, key_b = new_tenant(server)
+    completion = complete(server, key_a)
+    chat_body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}]}
+    chat = call(server, "POST", "/v1/chat/completions", key_a, {**chat_body, "max_tokens": 2})
+    for reply, prefix in ((completion, "cmpl-"), (chat, "chatcmpl-")):
+        body_id = reply.body["id"]
+        assert body_id == prefix + reply.request_id
+        own = call(server, "GET", f"/v1/requests/{body_id}", key_a)  # no retry: read-through
+        assert own.status == 200 and own.body["record"]["id"] == reply.request_id
+        assert (
+            admin(server, "GET", f"/requests/{body_id}").body["record"]["id"]
+            == own.body["record"]["id"]
+        )
+        assert call(server, "GET", f"/v1/requests/{body_id}", key_b).status == 404
+    assert call(server, "GET", "/v1/requests/chatcmpl-no-such-request", key_a).status == 404
+
+
 def test_an_operator_cancels_a_running_request(server):
     _, key = new_tenant(server)
     assert admin(server, "POST", "/requests/nothing-runs-here/cancel").status == 404

@@ -11,7 +11,7 @@ from test_db_support import BACKENDS, temporary_database
 
 from gateway.cli import main
 from gateway.db import make_async_engine, make_sessionmaker
-from gateway.tenants import Authenticator, KeyHasher
+from gateway.tenancy.keys import Authenticator, KeyHasher
 
 SECRET = "admin-cli-test-secret"
 

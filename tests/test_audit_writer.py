@@ -15,13 +15,7 @@ from sqlalchemy import event, exc, func, select
 from sqlalchemy.engine import make_url
 from test_db_support import BACKENDS, ToggleProxy, temporary_database, with_port
 
-from gateway.audit import (
-    AuditWriter,
-    encode_entry,
-    event_row,
-    insert_entries,
-    make_entry,
-)
+from gateway.audit.writer import AuditWriter, encode_entry, event_row, insert_entries, make_entry
 from gateway.db import make_async_engine, upgrade
 from gateway.models import AuditEvent, AuditRecord
 from scheduler.events import Event

@@ -8,13 +8,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from test_db_support import BACKENDS, temporary_database
 
-from gateway.audit import (
-    get_request,
-    insert_entries,
-    list_requests,
-    make_entry,
-    prune,
-)
+from gateway.audit.queries import get_request, list_requests, prune
+from gateway.audit.writer import insert_entries, make_entry
 from gateway.db import make_async_engine, make_sessionmaker, upgrade
 
 START = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)

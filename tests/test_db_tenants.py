@@ -19,22 +19,24 @@ from gateway.db import (
     upgrade,
 )
 from gateway.models import ApiKey
-from gateway.tenants import (
+from gateway.tenancy.keys import (
     ApiKeyNotFound,
     Authenticator,
     KeyHasher,
+    create_key,
+    list_keys,
+    revoke_key,
+)
+from gateway.tenancy.tenants import (
     TenantCreate,
     TenantNameTaken,
     TenantNotFound,
     TenantUpdate,
-    create_key,
     create_tenant,
     delete_tenant,
     get_tenant,
     get_tenant_by_name,
-    list_keys,
     list_tenants,
-    revoke_key,
     update_tenant,
 )
 

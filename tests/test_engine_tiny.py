@@ -1,14 +1,13 @@
-"""Engine, AsyncEngine and offline generation on a tiny random model: fast and exhaustive."""
+"""Engine and offline generation on a tiny random model: fast and exhaustive."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
 from runtime.config import EngineConfig
-from runtime.engine import AsyncEngine, Engine, RequestError
+from runtime.engine import Engine, RequestError
 from runtime.offline import run_offline
 from scheduler.request import SamplingParams
 
@@ -122,28 +121,6 @@ def test_offline_lines_keep_order_and_report_bad_ones(engine):
     assert "top_p" in results[3]["error"]
     kinds = [e["kind"] for e in results[4]["events"]]
     assert kinds[0] == "queued" and "scheduled" in kinds and kinds[-1] == "finished"
-
-
-async def test_async_engine_streams_and_aborts_on_close(engine):
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    try:
-        texts = []
-        async for output in async_engine.submit([4, 5, 6], greedy(5)):
-            texts.append(output.new_token_ids)
-        assert sum(len(t) for t in texts) == 5 and output.finished
-        stream = async_engine.submit([4, 5, 6] * 10, greedy(500))
-        await anext(stream)
-        await stream.aclose()  # the client went away
-        for _ in range(200):
-            if not engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
-        assert not engine.has_unfinished() and blocks_in_use(engine) == 0
-        with pytest.raises(RequestError):
-            async_engine.submit([], greedy())
-    finally:
-        async_engine.stop()
 
 
 def test_length_groups_bound_padding_and_cover_every_sequence():

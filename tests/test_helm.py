@@ -1,7 +1,8 @@
 """The Helm chart (helm/conveyor) and the container image recipe.
 
-`helm lint` and `helm template` over every CI values file (helm/conveyor/ci/*-values.yaml, the
-chart-testing convention), each rendered set validated with `kubernetes-validate --strict`;
+`helm lint` and `helm template` over the chart's default values (the embedded single-replica
+install) and every CI values file (helm/conveyor/ci/*-values.yaml, the chart-testing
+convention), each rendered set validated with `kubernetes-validate --strict`;
 values.schema.json rejecting bad values; the invariants the server relies on (grace period above
 the drain timeout, migrations as a pre-install/pre-upgrade hook, no Secret with existingSecret).
 
@@ -19,10 +20,14 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy.engine import make_url
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "helm" / "conveyor"
@@ -36,6 +41,10 @@ RELEASE = "prod"
 NAMESPACE = "llm"
 FULLNAME = f"{RELEASE}-conveyor"
 MINIMAL = CI_DIR / "minimal-values.yaml"
+PRODUCTION = CI_DIR / "production-values.yaml"
+# Where the embedded mode keeps SQLite: the state volume, mounted at HOME / the working dir.
+SQLITE_URL = "sqlite:////var/lib/conveyor/conveyor.db"
+STATE_DIR = "/var/lib/conveyor"
 SCHEMA_ERROR = "values don't meet the specifications of the schema"
 
 # The CONVEYOR_* settings the server reads (issue 7's brief); the ConfigMap may set no others.
@@ -49,6 +58,7 @@ SERVER_SETTINGS = {
     "CONVEYOR_SWAP_SPACE",
     "CONVEYOR_PREEMPTION_MODE",
     "CONVEYOR_SCHEDULING",
+    "CONVEYOR_BATCH_WINDOW",
     "CONVEYOR_DRAIN_TIMEOUT",
     "CONVEYOR_AUDIT_RETENTION_DAYS",
     "CONVEYOR_RATE_LIMIT_ON_ERROR",
@@ -120,7 +130,8 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
 def _value_args(values: tuple[Path, ...], sets: tuple[str, ...]) -> list[str]:
     args: list[str] = []
     for path in values:
-        args += ["-f", str(path)]
+        if path is not None:  # None: the chart's defaults alone
+            args += ["-f", str(path)]
     for item in sets:
         flag, _, assignment = item.partition(" ")
         args += [flag, assignment]
@@ -183,7 +194,8 @@ def env_of(container: dict) -> dict[str, dict]:
 def values_of(*files: Path) -> dict:
     merged: dict = {}
     for path in files:
-        merged = _merge(merged, yaml.safe_load(path.read_text()) or {})
+        if path is not None:
+            merged = _merge(merged, yaml.safe_load(path.read_text()) or {})
     return merged
 
 
@@ -202,7 +214,10 @@ def chart_defaults() -> dict:
     return yaml.safe_load((CHART / "values.yaml").read_text())
 
 
-ci_files = pytest.mark.parametrize("values_file", CI_VALUES, ids=[p.name for p in CI_VALUES])
+# None stands for no values file at all: `helm install conveyor helm/conveyor` as a new user runs it.
+ci_files = pytest.mark.parametrize(
+    "values_file", [None, *CI_VALUES], ids=["defaults", *(p.name for p in CI_VALUES)]
+)
 
 
 # ------------------------------------------------------------------------------------ lint, render
@@ -215,6 +230,8 @@ def test_ci_values_files_cover_the_required_scenarios():
         "gpu-values.yaml",
         "external-secrets-values.yaml",
         "autoscaling-values.yaml",
+        "production-values.yaml",
+        "embedded-values.yaml",
     } <= names
 
 
@@ -235,8 +252,7 @@ def test_helm_lint(helm: Path, values_file: Path):
             NAMESPACE,
             "--kube-version",
             KUBE_VERSION,
-            "-f",
-            str(values_file),
+            *_value_args((values_file,), ()),
         ]
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -249,7 +265,7 @@ def test_rendered_manifests_pass_kubernetes_validate_strict(
 ):
     proc = template(helm, values_file)
     assert proc.returncode == 0, proc.stderr
-    manifest = tmp_path / values_file.name
+    manifest = tmp_path / (values_file.name if values_file else "defaults.yaml")
     manifest.write_text(proc.stdout)
     validator = shutil.which(
         "kubernetes-validate", path=str(Path(sys.executable).parent)
@@ -291,6 +307,315 @@ def test_service_monitor_shape(helm: Path, values_file: Path):
         assert labels.items() <= monitor["metadata"]["labels"].items()
 
 
+# ------------------------------------------------------------------------------------ default install
+
+
+def volume_of(docs: list[dict], name: str) -> dict:
+    (volume,) = [
+        v for v in pod_spec(one(docs, "Deployment", FULLNAME))["volumes"] if v["name"] == name
+    ]
+    return volume
+
+
+def secret_data(docs: list[dict]) -> dict[str, str]:
+    data = one(docs, "Secret", FULLNAME)["data"]
+    return {key: base64.b64decode(value).decode() for key, value in data.items()}
+
+
+def test_default_install_is_one_replica_on_the_embedded_defaults(helm: Path):
+    """`helm install conveyor helm/conveyor` with no values: one pod, SQLite on a claim mounted
+    where the URL points, in-process limits (no Redis URL anywhere), a generated key-hash secret."""
+    docs = render(helm)
+    deployment = one(docs, "Deployment", FULLNAME)["spec"]
+    assert deployment["replicas"] == 1
+    assert deployment["strategy"] == {"type": "Recreate"}, "two pods never share the SQLite file"
+    container = gateway(docs)
+    env = env_of(container)
+    assert env["CONVEYOR_DATABASE_URL"] == {"name": "CONVEYOR_DATABASE_URL", "value": SQLITE_URL}
+    database = make_url(SQLITE_URL).database
+    assert make_url(SQLITE_URL).get_backend_name() == "sqlite" and database.startswith("/")
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[str(Path(database).parent)] == "state" and str(Path(database).parent) == STATE_DIR
+    assert container["workingDir"] == STATE_DIR and env["HOME"]["value"] == STATE_DIR
+    claim = f"{FULLNAME}-data"
+    assert volume_of(docs, "state") == {
+        "name": "state",
+        "persistentVolumeClaim": {"claimName": claim},
+    }
+    pvc = one(docs, "PersistentVolumeClaim", claim)
+    assert pvc["metadata"]["namespace"] == NAMESPACE
+    assert pvc["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "2Gi"}},
+    }
+    # In-process rate limits: the server uses fakeredis when CONVEYOR_REDIS_URL is unset.
+    configmap = one(docs, "ConfigMap", FULLNAME)["data"]
+    assert "CONVEYOR_REDIS_URL" not in env and "CONVEYOR_REDIS_URL" not in configmap
+    data = secret_data(docs)
+    assert set(data) == {"CONVEYOR_ADMIN_TOKENS", "CONVEYOR_KEY_HASH_SECRET"}
+    assert re.fullmatch(r"[A-Za-z0-9]{64}", data["CONVEYOR_KEY_HASH_SECRET"])
+    assert re.fullmatch(r"cva-[A-Za-z0-9]{40}", data["CONVEYOR_ADMIN_TOKENS"])
+    for name in ("CONVEYOR_ADMIN_TOKENS", "CONVEYOR_KEY_HASH_SECRET"):
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": FULLNAME, "key": name}
+    assert configmap["CONVEYOR_AUTO_MIGRATE"] == "true"
+    assert find(docs, "Job") == [] and find(docs, "HorizontalPodAutoscaler") == []
+
+
+def test_default_key_hash_secret_is_generated_per_install_and_kept_by_lookup(helm: Path):
+    """Without a cluster `lookup` finds nothing, so each render generates a fresh secret: proof
+    that none is baked into the chart. On a cluster the lookup of the release's Secret returns
+    the stored one (test_generated_secrets_survive_upgrades, against a fake API server)."""
+    secrets = set()
+    for _ in range(2):  # not template(): it caches
+        proc = _run([str(HELM), "template", RELEASE, str(CHART), "--namespace", NAMESPACE])
+        assert proc.returncode == 0, proc.stderr
+        docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+        secrets.add(secret_data(docs)["CONVEYOR_KEY_HASH_SECRET"])
+    assert len(secrets) == 2
+    given = "operator-chosen-secret-0123456789"
+    docs = render(helm, sets=(f"--set secrets.keyHashSecret={given}",))
+    assert secret_data(docs)["CONVEYOR_KEY_HASH_SECRET"] == given
+
+
+# A Kubernetes API server just large enough for `helm template --dry-run=server`: discovery for
+# the kinds the chart renders, 404 for every object except the release's Secret when stored.
+FAKE_API_RESOURCES = {
+    "v1": [
+        ("secrets", "Secret"),
+        ("configmaps", "ConfigMap"),
+        ("services", "Service"),
+        ("serviceaccounts", "ServiceAccount"),
+        ("pods", "Pod"),
+        ("persistentvolumeclaims", "PersistentVolumeClaim"),
+    ],
+    "apps/v1": [("deployments", "Deployment")],
+    "batch/v1": [("jobs", "Job")],
+    "policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget")],
+    "autoscaling/v2": [("horizontalpodautoscalers", "HorizontalPodAutoscaler")],
+    "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy")],
+    "monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor")],
+}
+
+
+class FakeKubeAPI(BaseHTTPRequestHandler):
+    stored: dict[str, str] = {}  # the release Secret's data (plain text); empty: no Secret
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        if path == "/version":
+            return self.reply({"major": "1", "minor": "35", "gitVersion": "v1.35.0"})
+        if path == "/api":
+            return self.reply({"kind": "APIVersions", "versions": ["v1"]})
+        if path == "/apis":
+            groups = [gv.split("/") for gv in FAKE_API_RESOURCES if "/" in gv]
+            return self.reply(
+                {
+                    "kind": "APIGroupList",
+                    "apiVersion": "v1",
+                    "groups": [
+                        {
+                            "name": group,
+                            "versions": [{"groupVersion": f"{group}/{v}", "version": v}],
+                            "preferredVersion": {"groupVersion": f"{group}/{v}", "version": v},
+                        }
+                        for group, v in groups
+                    ],
+                }
+            )
+        group_version = "v1" if path == "/api/v1" else path.removeprefix("/apis/")
+        if group_version in FAKE_API_RESOURCES:
+            resources = [
+                {"name": plural, "singularName": kind.lower(), "namespaced": True, "kind": kind}
+                | {"verbs": ["get", "list", "create", "update", "patch", "delete"]}
+                for plural, kind in FAKE_API_RESOURCES[group_version]
+            ]
+            return self.reply(
+                {"kind": "APIResourceList", "groupVersion": group_version, "resources": resources}
+            )
+        if path == f"/api/v1/namespaces/{NAMESPACE}/secrets/{FULLNAME}" and self.stored:
+            return self.reply(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {
+                        "name": FULLNAME,
+                        "namespace": NAMESPACE,
+                        # what Helm put on it at install: the upgrade may adopt it
+                        "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                        "annotations": {
+                            "meta.helm.sh/release-name": RELEASE,
+                            "meta.helm.sh/release-namespace": NAMESPACE,
+                        },
+                    },
+                    "data": {
+                        k: base64.b64encode(v.encode()).decode() for k, v in self.stored.items()
+                    },
+                }
+            )
+        self.reply({"kind": "Status", "apiVersion": "v1", "reason": "NotFound", "code": 404}, 404)
+
+    def reply(self, body: dict, status: int = 200) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def fake_cluster(tmp_path: Path) -> Iterator[type[FakeKubeAPI]]:
+    handler = type("Handler", (FakeKubeAPI,), {"stored": {}})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "fake",
+                        "cluster": {"server": f"http://127.0.0.1:{server.server_port}"},
+                    }
+                ],
+                "users": [{"name": "fake", "user": {}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                "current-context": "fake",
+            }
+        )
+    )
+    handler.kubeconfig = kubeconfig
+    try:
+        yield handler
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def render_on(cluster: type[FakeKubeAPI], *sets: str) -> list[dict]:
+    """`helm template --dry-run=server`: `lookup` reads the (fake) cluster, as on an upgrade."""
+    cmd = [str(HELM), "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    cmd += ["--dry-run=server", "--disable-openapi-validation", *_value_args((), sets)]
+    env = {**_helm_env(), "KUBECONFIG": str(cluster.kubeconfig)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def test_generated_secrets_survive_upgrades(helm: Path, fake_cluster: type[FakeKubeAPI]):
+    """The `lookup` idiom on a cluster: the first install generates the key-hash secret and admin
+    token; an upgrade finds them in the release's Secret and renders them unchanged (so existing
+    API keys keep working and the pod is not restarted for a new checksum)."""
+    first = secret_data(render_on(fake_cluster))
+    assert re.fullmatch(r"[A-Za-z0-9]{64}", first["CONVEYOR_KEY_HASH_SECRET"])
+    fake_cluster.stored = dict(first)  # what the install stored
+    upgrades = [render_on(fake_cluster) for _ in range(2)]
+    for docs in upgrades:
+        assert secret_data(docs) == first
+    checksums = {
+        one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/secret"]
+        for docs in upgrades
+    }
+    assert len(checksums) == 1
+    # A value given explicitly wins over the stored one.
+    chosen = "operator-chosen-secret-0123456789"
+    given = secret_data(render_on(fake_cluster, f"--set secrets.keyHashSecret={chosen}"))
+    assert given["CONVEYOR_KEY_HASH_SECRET"] == chosen
+    assert given["CONVEYOR_ADMIN_TOKENS"] == first["CONVEYOR_ADMIN_TOKENS"]
+
+
+def test_embedded_storage_options(helm: Path):
+    ephemeral = render(helm, sets=("--set persistence.enabled=false",))
+    assert find(ephemeral, "PersistentVolumeClaim") == []
+    assert volume_of(ephemeral, "state") == {"name": "state", "emptyDir": {}}
+    assert env_of(gateway(ephemeral))["CONVEYOR_DATABASE_URL"]["value"] == SQLITE_URL
+
+    existing = render(helm, sets=("--set persistence.existingClaim=conveyor-sqlite",))
+    assert find(existing, "PersistentVolumeClaim") == []
+    assert volume_of(existing, "state")["persistentVolumeClaim"] == {"claimName": "conveyor-sqlite"}
+
+    path = CI_DIR / "embedded-values.yaml"
+    spelled = render(helm, path)
+    pvc = one(spelled, "PersistentVolumeClaim", f"{FULLNAME}-data")
+    assert pvc["spec"]["storageClassName"] == "fast-ssd"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOncePod"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    assert pvc["metadata"]["annotations"] == {"example.com/backup": "daily"}
+    no_class = render(helm, sets=("--set-string persistence.storageClassName=",))
+    assert one(no_class, "PersistentVolumeClaim")["spec"]["storageClassName"] == ""
+
+
+def test_embedded_mode_with_an_existing_secret(helm: Path):
+    """existingSecret with empty database and Redis key names: the Secret holds only the admin
+    tokens and key-hash secret; SQLite and in-process limits as in the default install."""
+    sets = (
+        "--set replicaCount=1",
+        "--set secrets.existingSecretKeys.databaseUrl=",
+        "--set secrets.existingSecretKeys.redisUrl=",
+    )
+    docs = render(helm, CI_DIR / "external-secrets-values.yaml", sets=sets)
+    assert find(docs, "Secret") == [] and find(docs, "Job") == []
+    env = env_of(gateway(docs))
+    assert env["CONVEYOR_DATABASE_URL"]["value"] == SQLITE_URL and "CONVEYOR_REDIS_URL" not in env
+    assert env["CONVEYOR_KEY_HASH_SECRET"]["valueFrom"]["secretKeyRef"] == {
+        "name": "conveyor-credentials",
+        "key": "key-hash-secret",
+    }
+    assert one(docs, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert one(docs, "PersistentVolumeClaim")["metadata"]["name"] == f"{FULLNAME}-data"
+
+
+def test_one_external_service_still_means_one_pod(helm: Path):
+    postgres_only = render(
+        helm, sets=("--set secrets.databaseUrl=postgresql://conveyor@db/conveyor",)
+    )
+    assert one(postgres_only, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert find(postgres_only, "PersistentVolumeClaim") == []
+    assert volume_of(postgres_only, "state") == {"name": "state", "emptyDir": {}}
+    assert len(find(postgres_only, "Job")) == 1, "an external database is migrated by the Job"
+    env = env_of(gateway(postgres_only))
+    assert "secretKeyRef" in env["CONVEYOR_DATABASE_URL"]["valueFrom"]
+    assert "CONVEYOR_REDIS_URL" not in env
+
+    redis_only = render(helm, sets=("--set secrets.redisUrl=redis://cache:6379/0",))
+    assert one(redis_only, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert env_of(gateway(redis_only))["CONVEYOR_DATABASE_URL"]["value"] == SQLITE_URL
+    assert secret_data(redis_only)["CONVEYOR_REDIS_URL"] == "redis://cache:6379/0"
+    assert one(redis_only, "PersistentVolumeClaim")["metadata"]["name"] == f"{FULLNAME}-data"
+
+
+def test_production_values_render_as_before(helm: Path):
+    """External PostgreSQL and Redis, several replicas: what the defaults used to be."""
+    docs = render(helm, PRODUCTION)
+    deployment = one(docs, "Deployment", FULLNAME)["spec"]
+    assert deployment["replicas"] == 2
+    assert deployment["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    assert find(docs, "PersistentVolumeClaim") == []
+    assert volume_of(docs, "state") == {"name": "state", "emptyDir": {}}
+    secrets = values_of(PRODUCTION)["secrets"]
+    data = secret_data(docs)
+    assert data["CONVEYOR_DATABASE_URL"] == secrets["databaseUrl"]
+    assert data["CONVEYOR_REDIS_URL"] == secrets["redisUrl"]
+    assert data["CONVEYOR_KEY_HASH_SECRET"] == secrets["keyHashSecret"]
+    assert len(find(docs, "Job")) == 1
+    assert one(docs, "ConfigMap", FULLNAME)["data"]["CONVEYOR_AUTO_MIGRATE"] == "false"
+    # Without an explicit strategy, shared external services still get the rolling update.
+    for path in (MINIMAL, CI_DIR / "gpu-values.yaml"):
+        assert one(render(helm, path), "Deployment")["spec"]["strategy"]["type"] == "RollingUpdate"
+    scaled = render(helm, PRODUCTION, sets=("--set replicaCount=6",))
+    assert one(scaled, "Deployment")["spec"]["replicas"] == 6
+
+
 # ------------------------------------------------------------------------------------ schema
 
 
@@ -320,7 +645,8 @@ BAD_VALUES = {
     "gpu-count-zero": ("--set gpu.enabled=true --set gpu.count=0", "/gpu/count"),
     "service-port-range": ("--set service.port=70000", "/service/port"),
     "database-url-not-postgres": ("--set secrets.databaseUrl=mysql://db/conveyor", "/secrets"),
-    "redis-url-missing": ("--set secrets.redisUrl=", "/secrets"),
+    "database-url-sqlite": ("--set secrets.databaseUrl=sqlite:///conveyor.db", "/secrets"),
+    "redis-url-not-redis": ("--set secrets.redisUrl=http://cache:6379/0", "/secrets"),
     "key-hash-secret-short": ("--set secrets.keyHashSecret=short", "/secrets"),
     "admin-token-with-comma": (
         '--set-json secrets.adminTokens=["aaaaaaaaaaaaaaaa,bbbbbbbbbbbbbbbbb"]',
@@ -339,6 +665,14 @@ BAD_VALUES = {
         "/terminationGracePeriodSeconds",
     ),
     "scrape-interval": ("--set serviceMonitor.interval=often", "/serviceMonitor/interval"),
+    "persistence-size-unit": ("--set persistence.size=2GB", "/persistence/size"),
+    "persistence-access-mode": (
+        '--set-json persistence.accessModes=["ReadOnlyMany"]',
+        "/persistence/accessModes",
+    ),
+    "persistence-unknown-key": ("--set persistence.storageClass=fast", "/persistence"),
+    "update-strategy-unknown": ("--set updateStrategy.type=BlueGreen", "/updateStrategy/type"),
+    "update-strategy-typo": ("--set updateStrategy.maxSurge=1", "/updateStrategy"),
 }
 
 
@@ -357,12 +691,65 @@ def test_schema_rejects_bad_values(helm: Path, case: tuple[str, str]):
     assert where in proc.stderr, proc.stderr
 
 
-def test_schema_requires_connection_settings_without_existing_secret(helm: Path):
-    proc = template(helm)  # chart defaults: no database, Redis or key-hash secret
-    assert proc.returncode != 0
-    assert SCHEMA_ERROR in proc.stderr
-    for field in ("databaseUrl", "redisUrl", "keyHashSecret"):
-        assert field in proc.stderr, proc.stderr
+# What makes several gateway pods unsafe, and which setting the refusal must name.
+EMBEDDED_BOTH = ("secrets.databaseUrl", "secrets.redisUrl")
+SCALE_REFUSALS = {
+    "replicas-on-defaults": ((None,), ("--set replicaCount=2",), "replicaCount=2", EMBEDDED_BOTH),
+    "replicas-without-redis": (
+        (None,),
+        ("--set replicaCount=3", "--set secrets.databaseUrl=postgresql://conveyor@db/conveyor"),
+        "replicaCount=3",
+        ("secrets.redisUrl",),
+    ),
+    "replicas-without-postgresql": (
+        (MINIMAL,),
+        ("--set replicaCount=2", "--set secrets.databaseUrl="),
+        "replicaCount=2",
+        ("secrets.databaseUrl",),
+    ),
+    "production-without-redis": (
+        (PRODUCTION,),
+        ("--set secrets.redisUrl=",),
+        "replicaCount=2",
+        ("secrets.redisUrl",),
+    ),
+    "autoscaling-on-defaults": (
+        (None,),
+        ("--set autoscaling.enabled=true",),
+        "autoscaling.enabled=true",
+        EMBEDDED_BOTH,
+    ),
+    "rolling-update-on-sqlite": (
+        (None,),
+        ("--set updateStrategy.type=RollingUpdate",),
+        "updateStrategy.type=RollingUpdate",
+        EMBEDDED_BOTH,
+    ),
+    "existing-secret-without-database-key": (
+        (CI_DIR / "external-secrets-values.yaml",),
+        ("--set secrets.existingSecretKeys.databaseUrl=",),
+        "replicaCount=3",
+        ("secrets.databaseUrl",),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SCALE_REFUSALS.values(), ids=SCALE_REFUSALS.keys())
+def test_several_pods_need_external_redis_and_postgresql(
+    helm: Path, case: tuple[tuple[Path | None, ...], tuple[str, ...], str, tuple[str, ...]]
+):
+    """The embedded SQLite file and in-process limits live in one pod: anything that would run
+    two gateway pods at once is refused by a `fail` that says why and what to set."""
+    files, sets, what, missing = case
+    proc = template(helm, *files, sets=sets)
+    assert proc.returncode != 0, f"{sets} was accepted"
+    assert SCHEMA_ERROR not in proc.stderr, proc.stderr  # values are valid; the combination is not
+    assert f"{what} is refused" in proc.stderr, proc.stderr
+    assert "external PostgreSQL and Redis" in proc.stderr
+    for setting in missing:
+        assert f"no {setting}" in proc.stderr, proc.stderr
+    for setting in set(EMBEDDED_BOTH) - set(missing):
+        assert f"no {setting}" not in proc.stderr, proc.stderr
 
 
 def test_schema_accepts_the_documented_alternatives(helm: Path):
@@ -460,9 +847,13 @@ def test_migration_job_is_a_pre_install_pre_upgrade_hook(helm: Path, values_file
     docs = render(helm, values_file)
     values = _merge(chart_defaults(), values_of(values_file))
     jobs = find(docs, "Job")
-    if not values["migrations"]["enabled"]:
-        assert jobs == []
+    auto_migrate = one(docs, "ConfigMap", FULLNAME)["data"]["CONVEYOR_AUTO_MIGRATE"]
+    external = values["secrets"]["existingSecret"] or values["secrets"]["databaseUrl"]
+    if not (values["migrations"]["enabled"] and external):
+        # No Job (the embedded SQLite volume does not exist before install): the pod migrates.
+        assert jobs == [] and auto_migrate == "true"
         return
+    assert auto_migrate == "false"
     (job,) = jobs
     annotations = job["metadata"]["annotations"]
     assert set(annotations["helm.sh/hook"].split(",")) == {"pre-install", "pre-upgrade"}
@@ -603,6 +994,9 @@ def test_replicas_do_not_migrate_when_the_job_does(helm: Path):
     assert minimal["CONVEYOR_CREATE_DEMO_TENANT"] == "false"
     no_job = one(render(helm, CI_DIR / "hostpath-values.yaml"), "ConfigMap", FULLNAME)["data"]
     assert no_job["CONVEYOR_AUTO_MIGRATE"] == "true"
+    embedded = render(helm)  # migrations.enabled stays true, but SQLite is migrated by its pod
+    assert find(embedded, "Job") == [] and find(embedded, "Secret", f"{FULLNAME}-migrate") == []
+    assert one(embedded, "ConfigMap", FULLNAME)["data"]["CONVEYOR_AUTO_MIGRATE"] == "true"
 
 
 @ci_files
@@ -787,32 +1181,53 @@ def test_helm_test_pod_checks_readyz(helm: Path):
     assert pod["spec"]["restartPolicy"] == "Never"
 
 
-@pytest.mark.parametrize(
-    "values_file",
-    [MINIMAL, CI_DIR / "external-secrets-values.yaml"],
-    ids=["chart-secret", "existing-secret"],
-)
-def test_notes_explain_admin_token_and_first_call(helm: Path, values_file: Path):
+def install_notes(*values: Path | None, sets: tuple[str, ...] = ()) -> str:
+    """NOTES.txt as `helm install --dry-run=client` prints it."""
     proc = _run(
         [
-            str(helm),
+            str(HELM),
             "install",
             RELEASE,
             str(CHART),
             "--namespace",
             NAMESPACE,
             "--dry-run=client",
-            "-f",
-            str(values_file),
+            *_value_args(values, sets),
         ]
     )
     assert proc.returncode == 0, proc.stderr
-    notes = proc.stdout.split("NOTES:", 1)[1]
-    secret = values_of(values_file)["secrets"].get("existingSecret") or FULLNAME
+    return proc.stdout.split("NOTES:", 1)[1]
+
+
+@pytest.mark.parametrize(
+    "values_file",
+    [None, MINIMAL, CI_DIR / "external-secrets-values.yaml"],
+    ids=["defaults", "chart-secret", "existing-secret"],
+)
+def test_notes_explain_admin_token_and_first_call(helm: Path, values_file: Path | None):
+    notes = install_notes(values_file)
+    secret = values_of(values_file).get("secrets", {}).get("existingSecret") or FULLNAME
     assert f"kubectl -n {NAMESPACE} get secret {secret}" in notes
     assert "ADMIN_TOKEN" in notes and "base64 -d" in notes
     assert "/admin/tenants" in notes and "/v1/chat/completions" in notes and "curl" in notes
     assert "port-forward" in notes
+    # A tenant and a key with the CLI (gateway/admin_cli.py) run in the gateway's own pod.
+    exec_cli = f"kubectl -n {NAMESPACE} exec deploy/{FULLNAME} -- "
+    assert f"{exec_cli}conveyor tenants create --name demo --rpm 60 --tpm 100000" in notes
+    assert f"{exec_cli}\\\n    conveyor keys create --tenant demo --json | jq -r .key" in notes
+
+
+def test_notes_describe_the_embedded_mode(helm: Path):
+    notes = install_notes()
+    assert "Embedded mode (one replica, Recreate strategy)" in notes
+    assert f"SQLite, {SQLITE_URL}, on PersistentVolumeClaim {FULLNAME}-data" in notes
+    assert "rate limits and quotas: in-process" in notes
+    assert f"generated at install, kept in Secret {FULLNAME} across" in notes
+    assert "set secrets.databaseUrl and\n  secrets.redisUrl" in notes
+    ephemeral = install_notes(sets=("--set persistence.enabled=false",))
+    assert "on an emptyDir" in ephemeral and "LOST" in ephemeral
+    for production in (PRODUCTION, MINIMAL):
+        assert "Embedded mode" not in install_notes(production)
 
 
 # ------------------------------------------------------------------------------------ image

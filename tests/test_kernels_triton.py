@@ -212,31 +212,7 @@ def test_rotary_embedding_matches_reference(under_test, dtype, group):
     assert_close(out_k, expected_k, dtype)
 
 
-# ---------------------------------------------------------------- swap copies and dispatch
-
-
-def test_swap_blocks_copies_mapped_blocks_on_cpu(under_test):
-    src = torch.randn(10, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    dst = torch.zeros(6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    mapping = [(7, 0), (8, 1), (2, 4), (3, 5)]
-    assert under_test.triton_kvcache.swap_blocks(src, dst, mapping) is None
-    for src_block, dst_block in mapping:
-        assert torch.equal(dst[dst_block], src[src_block])
-    assert not dst[[2, 3]].any()
-
-
-def test_swap_blocks_handles_the_all_layers_layout(under_test):
-    # [2 (k/v), num_layers, num_blocks, block_size, num_kv_heads, head_dim], blocks on dim 2
-    src = torch.randn(2, 3, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    dst = torch.zeros(2, 3, 4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    under_test.triton_kvcache.swap_blocks(src, dst, [(5, 3), (0, 1)], block_dim=2)
-    assert torch.equal(dst[:, :, 3], src[:, :, 5]) and torch.equal(dst[:, :, 1], src[:, :, 0])
-    assert not dst[:, :, [0, 2]].any()
-
-
-def test_consecutive_runs_merge_contiguous_pairs(under_test):
-    runs = under_test.triton_kvcache._consecutive_runs([(4, 9), (2, 0), (3, 1), (5, 10), (6, 2)])
-    assert runs == [(2, 0, 2), (4, 9, 2), (6, 2, 1)]
+# ---------------------------------------------------------------- dispatch
 
 
 def test_dispatch_picks_triton_on_cuda_and_references_elsewhere(monkeypatch):

@@ -3,33 +3,41 @@ observations, and the step rate. (Metrics moving on a live server: tests/test_ad
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import Metrics, StepRate
+from runtime.engine_client import EngineSnapshot, SequenceSnapshot
 
 
-def fake_engine(waiting=(), running=(), swapped=()):
-    blocks = SimpleNamespace(
-        gpu_usage=0.25,
-        cpu_usage=0.5,
+def sequence(priority: int = 0) -> SequenceSnapshot:
+    return SequenceSnapshot("r-0", "acme", priority, "waiting", 5, 0, 0, 1, 0, 0, 0.0)
+
+
+def fake_snapshot(waiting=(), num_running=0, num_swapped=0) -> EngineSnapshot:
+    return EngineSnapshot(
+        taken_at=0.0,
+        running=(sequence(),) * num_running,
+        waiting=tuple(sequence(p) for p in waiting),
+        swapped=(sequence(),) * num_swapped,
+        num_gpu_blocks=16,
+        num_free_gpu_blocks=12,
         num_cpu_blocks=8,
+        num_free_cpu_blocks=4,
         num_prefix_queries=100,
         num_prefix_hits=40,
-    )
-    scheduler = SimpleNamespace(
-        waiting=[SimpleNamespace(priority=p) for p in waiting],
-        running=list(running),
-        swapped=list(swapped),
         num_preemptions={"swap": 3, "recompute": 1},
+        num_steps=0,
+        mean_step_time_s=None,
     )
-    engine = SimpleNamespace(scheduler=scheduler, block_manager=blocks, num_steps=0)
-    return SimpleNamespace(engine=engine)
 
 
-def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
-    text = metrics.render().decode()
+def samples(
+    metrics: Metrics, snapshot: EngineSnapshot | None = None
+) -> dict[tuple[str, tuple], float]:
+    text = metrics.render(snapshot).decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -56,9 +64,9 @@ def fake_tracker(tenant="acme", finish_reasons=None, num_choices=1):
 
 
 def test_engine_gauges_and_counters_are_read_at_scrape_time():
-    engine = fake_engine(waiting=[0, 5, 5], running=[object()] * 2, swapped=[object()])
-    metrics = Metrics(lambda: engine)
-    values = samples(metrics)
+    snapshot = fake_snapshot(waiting=[0, 5, 5], num_running=2, num_swapped=1)
+    metrics = Metrics()
+    values = samples(metrics, snapshot)
     assert values[("conveyor:num_requests_running", ())] == 2
     assert values[("conveyor:num_requests_waiting", ())] == 3
     assert values[("conveyor:num_requests_swapped", ())] == 1
@@ -68,13 +76,12 @@ def test_engine_gauges_and_counters_are_read_at_scrape_time():
     assert values[("conveyor:prefix_cache_queries_total", ())] == 100
     assert values[("conveyor:prefix_cache_hits_total", ())] == 40
     assert values[("conveyor:num_preemptions_total", (("mode", "swap"),))] == 3
-    engine.engine.scheduler.waiting = []
-    emptied = samples(metrics)
+    emptied = samples(metrics, dataclasses.replace(snapshot, waiting=()))
     assert emptied[("conveyor:num_requests_waiting_by_priority", (("priority", "5"),))] == 0
 
 
 def test_no_engine_yet_means_no_engine_series():
-    values = samples(Metrics(lambda: None))
+    values = samples(Metrics())
     assert not any(name == "conveyor:num_requests_running" for name, _ in values)
 
 

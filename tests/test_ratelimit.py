@@ -9,7 +9,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from redis.crc import key_slot
 
-from gateway.ratelimit import (
+from gateway.redis_client import make_redis
+from gateway.tenancy.ratelimit import (
     Admission,
     RateLimiter,
     TenantKeys,
@@ -17,7 +18,6 @@ from gateway.ratelimit import (
     format_reset,
     hash_tag,
 )
-from gateway.redis_client import make_redis
 
 # 2025-03-10 12:00:00 UTC: the start of a minute, mid-day, mid-month.
 T0 = datetime(2025, 3, 10, 12, 0, tzinfo=timezone.utc).timestamp()

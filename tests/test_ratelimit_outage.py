@@ -10,8 +10,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from gateway.ratelimit import RateLimiter, TenantLimits
 from gateway.redis_client import make_redis
+from gateway.tenancy.ratelimit import RateLimiter, TenantLimits
 
 
 def closed_port() -> int:

@@ -10,8 +10,8 @@ import time
 import pytest
 import redis
 
-from gateway.ratelimit import RateLimiter, TenantLimits
 from gateway.redis_client import make_redis
+from gateway.tenancy.ratelimit import RateLimiter, TenantLimits
 
 NUM_REPLICAS = 3
 NUM_REQUESTS_EACH = 150

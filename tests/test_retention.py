@@ -10,10 +10,10 @@ from aiohttp import web
 from sqlalchemy import select
 
 from gateway.appkeys import SESSIONMAKER, SETTINGS
-from gateway.audit import insert_entries, make_entry
+from gateway.audit.retention import audit_retention_ctx, prune_once, prune_periodically
+from gateway.audit.writer import insert_entries, make_entry
 from gateway.db import make_async_engine, make_sessionmaker, upgrade
 from gateway.models import AuditRecord
-from gateway.retention import audit_retention_ctx, prune_once, prune_periodically
 
 
 async def audit_db(tmp_path, ages_days: list[float]):

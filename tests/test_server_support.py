@@ -162,7 +162,8 @@ def create_tenant_with_key(database_url: str, name: str, **fields) -> str:
 
 async def _create_tenant_with_key(database_url: str, name: str, fields: dict) -> str:
     from gateway.db import make_async_engine, make_sessionmaker
-    from gateway.tenants import KeyHasher, TenantCreate, create_key, create_tenant
+    from gateway.tenancy.keys import KeyHasher, create_key
+    from gateway.tenancy.tenants import TenantCreate, create_tenant
 
     engine = make_async_engine(database_url)
     try:

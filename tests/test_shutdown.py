@@ -28,7 +28,7 @@ from test_server_support import (
     tiny_engine_args,
 )
 
-from gateway.appkeys import ENGINE, SERVING_STATE, ServingState
+from gateway.appkeys import ENGINE_CLIENT, SERVING_STATE, ServingState
 from gateway.lifecycle import Lifecycle, abort_engine_requests
 
 pytestmark = [pytest.mark.slow]
@@ -294,16 +294,17 @@ async def test_drain_waits_for_in_flight_work_and_stops_early_on_abort():
 
 class FakeEngine:
     def __init__(self, request_ids):
-        self.streams = dict.fromkeys(request_ids)
+        self.open_streams = list(request_ids)
         self.aborted = []
 
-    def abort(self, request_id):
-        self.aborted.append(request_id)
+    def abort_all(self):
+        self.aborted += self.open_streams
+        return len(self.open_streams)
 
 
 def test_abort_engine_requests_aborts_every_open_stream():
     app = lifecycle_app()
     assert abort_engine_requests(app) == 0  # no engine yet (a signal during the model load)
-    app[ENGINE] = FakeEngine(["a-0", "b-0", "b-1"])
+    app[ENGINE_CLIENT] = FakeEngine(["a-0", "b-0", "b-1"])
     assert abort_engine_requests(app) == 3
-    assert app[ENGINE].aborted == ["a-0", "b-0", "b-1"]
+    assert app[ENGINE_CLIENT].aborted == ["a-0", "b-0", "b-1"]

@@ -66,6 +66,19 @@ app.kubernetes.io/part-of: conveyor
 {{- end }}
 
 {{/*
+A value stored in the release's own Secret by an earlier install, or nothing: the usual
+`lookup` idiom, so generated values survive upgrades (lookup is empty under `helm template`
+and `--dry-run=client`, where a fresh value is generated).
+*/}}
+{{- define "conveyor.storedSecretValue" -}}
+{{- $root := index . 0 }}{{- $key := index . 1 }}
+{{- $existing := lookup "v1" "Secret" $root.Release.Namespace (include "conveyor.fullname" $root) }}
+{{- if and $existing $existing.data (hasKey $existing.data $key) }}
+{{- index $existing.data $key | b64dec }}
+{{- end }}
+{{- end }}
+
+{{/*
 Admin tokens joined with commas. When none are given, reuse the ones stored in the release's
 Secret (so upgrades keep them) or generate one at first install.
 */}}
@@ -73,12 +86,101 @@ Secret (so upgrades keep them) or generate one at first install.
 {{- if .Values.secrets.adminTokens }}
 {{- join "," .Values.secrets.adminTokens }}
 {{- else }}
-{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "conveyor.fullname" .) }}
-{{- if and $existing $existing.data (hasKey $existing.data "CONVEYOR_ADMIN_TOKENS") }}
-{{- index $existing.data "CONVEYOR_ADMIN_TOKENS" | b64dec }}
-{{- else }}
-{{- printf "cva-%s" (randAlphaNum 40) }}
+{{- include "conveyor.storedSecretValue" (list . "CONVEYOR_ADMIN_TOKENS") | default (printf "cva-%s" (randAlphaNum 40)) }}
 {{- end }}
+{{- end }}
+
+{{/*
+HMAC secret for API-key hashes. When none is given, reuse the one stored in the release's
+Secret or generate one at first install. It must never change under a database of keys: every
+key hashed with the old secret would stop working, hence the lookup.
+*/}}
+{{- define "conveyor.keyHashSecret" -}}
+{{- if .Values.secrets.keyHashSecret }}
+{{- .Values.secrets.keyHashSecret }}
+{{- else }}
+{{- include "conveyor.storedSecretValue" (list . "CONVEYOR_KEY_HASH_SECRET") | default (randAlphaNum 64) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Embedded mode. The database is external when secrets.databaseUrl is set (or, with
+secrets.existingSecret, when existingSecretKeys.databaseUrl names a key); otherwise the server
+uses SQLite on the state volume. Likewise Redis: without a URL, rate limits and quotas run
+in-process (fakeredis). Each helper prints "true" or nothing.
+*/}}
+{{- define "conveyor.externalDatabase" -}}
+{{- if .Values.secrets.existingSecret }}
+{{- if .Values.secrets.existingSecretKeys.databaseUrl }}true{{ end }}
+{{- else if .Values.secrets.databaseUrl }}true{{ end }}
+{{- end }}
+
+{{- define "conveyor.externalRedis" -}}
+{{- if .Values.secrets.existingSecret }}
+{{- if .Values.secrets.existingSecretKeys.redisUrl }}true{{ end }}
+{{- else if .Values.secrets.redisUrl }}true{{ end }}
+{{- end }}
+
+{{/* "true" when every replica shares external PostgreSQL and Redis, so several may run. */}}
+{{- define "conveyor.canScale" -}}
+{{- if and (include "conveyor.externalDatabase" .) (include "conveyor.externalRedis" .) }}true{{ end }}
+{{- end }}
+
+{{/* Where the embedded SQLite database lives: the state volume, mounted at HOME. */}}
+{{- define "conveyor.sqliteUrl" -}}
+sqlite:////var/lib/conveyor/conveyor.db
+{{- end }}
+
+{{/* "true" when the state volume is a PersistentVolumeClaim (embedded database only). */}}
+{{- define "conveyor.persistentState" -}}
+{{- if and (not (include "conveyor.externalDatabase" .)) .Values.persistence.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "conveyor.stateClaimName" -}}
+{{- .Values.persistence.existingClaim | default (printf "%s-data" (include "conveyor.fullname" .) | trunc 63 | trimSuffix "-") }}
+{{- end }}
+
+{{/* "true" when the pre-install/pre-upgrade migration Job runs (external database only). */}}
+{{- define "conveyor.migrationJob" -}}
+{{- if and .Values.migrations.enabled (include "conveyor.externalDatabase" .) }}true{{ end }}
+{{- end }}
+
+{{/*
+The embedded database and in-process limits belong to one process: refuse anything that would
+run two gateway pods at once (replicas, autoscaling, a rolling update).
+*/}}
+{{- define "conveyor.checkSingleReplica" -}}
+{{- if not (include "conveyor.canScale" .) }}
+{{- $embedded := list }}
+{{- if not (include "conveyor.externalDatabase" .) }}{{ $embedded = append $embedded "no secrets.databaseUrl: SQLite on one pod's volume" }}{{ end }}
+{{- if not (include "conveyor.externalRedis" .) }}{{ $embedded = append $embedded "no secrets.redisUrl: rate limits and quotas in one pod's memory" }}{{ end }}
+{{- $why := printf "several gateway pods need external PostgreSQL and Redis that they all share (%s); set secrets.databaseUrl and secrets.redisUrl (or secrets.existingSecret)" (join "; " $embedded) }}
+{{- if .Values.autoscaling.enabled }}
+{{- fail (printf "autoscaling.enabled=true is refused: %s" $why) }}
+{{- end }}
+{{- if gt (int .Values.replicaCount) 1 }}
+{{- fail (printf "replicaCount=%d is refused: %s, or keep replicaCount at 1" (int .Values.replicaCount) $why) }}
+{{- end }}
+{{- if eq (.Values.updateStrategy.type | default "Recreate") "RollingUpdate" }}
+{{- fail (printf "updateStrategy.type=RollingUpdate is refused (it runs two pods at once): %s, or leave updateStrategy empty (Recreate)" $why) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Deployment strategy: as given, else Recreate for a single-pod install (never two pods on one
+SQLite file) and a surge-first rolling update when replicas share external services.
+*/}}
+{{- define "conveyor.updateStrategy" -}}
+{{- if .Values.updateStrategy }}
+{{- toYaml .Values.updateStrategy }}
+{{- else if include "conveyor.canScale" . }}
+type: RollingUpdate
+rollingUpdate:
+  maxSurge: 1
+  maxUnavailable: 0
+{{- else }}
+type: Recreate
 {{- end }}
 {{- end }}
 

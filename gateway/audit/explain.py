@@ -25,9 +25,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gateway.audit import events as ev
+
 # Engine request ids made by the gateway: "<http request id>-<choice>".
 GATEWAY_SEQUENCE_ID = re.compile(r"^([0-9a-f]{32})-(\d+)$")
-WAIT_KINDS = ("waiting_for_kv", "waiting_for_slot")  # and any other "waiting_*" event
+WAIT_KINDS = (ev.WAITING_FOR_KV, ev.WAITING_FOR_SLOT)  # and any other "waiting_*" event
 
 
 def is_wait(kind: str) -> bool:
@@ -202,26 +204,33 @@ class Explainer:
         return " of higher or equal priority" + listed
 
     def wait_sentence(self, kind: str, facts: Mapping[str, Any], duration: float) -> str:
-        if kind == "waiting_for_kv":
+        if kind == ev.WAITING_FOR_KV:
             needed, free = facts.get("blocks_needed"), facts.get("blocks_free")
             return (
                 f"waited {seconds(duration)} for KV cache: needed {plural(needed or 0, 'block')}"
                 f" with {free} free"
             )
-        if kind == "waiting_for_slot":
+        if kind == ev.WAITING_FOR_SLOT:
             running = facts.get("num_running")
             return f"waited {seconds(duration)} for a running slot: all {running} were busy"
-        if kind == "waiting_behind":  # proposed scheduler event: the line stopped at `by`
+        if kind == ev.WAITING_BEHIND:  # the line stopped at `by`
             who = self.request_text(facts.get("by") or "", facts.get("by_tenant"))
             return (
                 f"waited {seconds(duration)} behind {who} (priority {facts.get('by_priority')}), "
                 "which could not be scheduled yet"
             )
-        if kind == "waiting_for_budget":  # proposed scheduler event: the step's tokens ran out
+        if kind == ev.WAITING_FOR_BUDGET:  # the step's tokens ran out
             return (
                 f"waited {seconds(duration)} for room in a step: the "
                 f"{facts.get('max_batch_tokens')}-token step budget was used by "
                 f"{plural(facts.get('num_scheduled') or 0, 'sequence')}"
+            )
+        if kind == ev.WAITING_FOR_BATCH:
+            if facts.get("num_running"):
+                return f"waited {seconds(duration)} for the running batch to finish"
+            return (
+                f"waited {seconds(duration)} for a batch to form: up to "
+                f"{facts.get('window_s')} s for {facts.get('batch_size')} requests"
             )
         shown = joined(f"{k} {v}" for k, v in facts.items() if k != "choice")
         reason = kind.removeprefix("waiting_").replace("_", " ")
@@ -229,7 +238,7 @@ class Explainer:
 
     def queue_delays(self, seq: Track, start: float, stop: float) -> list[Delay]:
         """[start, stop) cut at each wait event; each piece named by the event that began it."""
-        queued = first(seq.events, "queued")
+        queued = first(seq.events, ev.QUEUED)
         delays = []
         gateway_end = min(queued.time, stop) if queued else stop
         if gateway_end > start or queued is None:
@@ -264,10 +273,10 @@ class Explainer:
     def preemption_delays(self, seq: Track) -> list[Delay]:
         delays = []
         for index, event in enumerate(seq.events):
-            if event.kind != "preempted":
+            if event.kind != ev.PREEMPTED:
                 continue
             later = seq.events[index + 1 :]
-            stop = next((i for i, e in enumerate(later) if e.kind == "resumed"), None)
+            stop = next((i for i, e in enumerate(later) if e.kind == ev.RESUMED), None)
             end = later[stop].time if stop is not None else seq.end
             inside = later[:stop] if stop is not None else later
             delays.append(self.preemption(seq, event, inside, end, stop is not None))
@@ -294,15 +303,15 @@ class Explainer:
         else:
             sentence += f", and was still preempted {seconds(duration)} later when it ended"
         shown = self.redact({k: v for k, v in facts.items() if k != "choice"})
-        return Delay("preempted", seq.at(event.time), duration, sentence, seq.choice, shown)
+        return Delay(ev.PREEMPTED, seq.at(event.time), duration, sentence, seq.choice, shown)
 
     def preemption_cost(self, mode: str | None, num_blocks: int, inside: list[Ev]) -> str:
         blocks = plural(num_blocks, "KV block")
         if mode == "swap":
-            swapped_in = first(inside, "swapped_in")
+            swapped_in = first(inside, ev.SWAPPED_IN)
             back = " and back" if swapped_in else " (not yet back)"
             return f"{blocks} swapped to CPU{back}"
-        recompute = first(inside, "recompute_started")
+        recompute = first(inside, ev.RECOMPUTE_STARTED)
         if recompute is None:
             return f"its {blocks} were freed to be recomputed"
         num_tokens = recompute.data.get("num_tokens", 0)
@@ -316,12 +325,12 @@ class Explainer:
             return ""
         parts = []
         for wait in waits:
-            if wait.kind == "waiting_for_kv":
+            if wait.kind == ev.WAITING_FOR_KV:
                 parts.append(
                     f"for KV cache (needed {plural(wait.data.get('blocks_needed', 0), 'block')}"
                     f" with {wait.data.get('blocks_free')} free)"
                 )
-            elif wait.kind == "waiting_for_slot":
+            elif wait.kind == ev.WAITING_FOR_SLOT:
                 parts.append(f"for a running slot (all {wait.data.get('num_running')} busy)")
             else:
                 parts.append(wait.kind.removeprefix("waiting_").replace("_", " "))
@@ -332,7 +341,7 @@ class Explainer:
 
     # -- whole sequences --------------------------------------------------------------------
     def sequence_delays(self, seq: Track) -> tuple[list[Delay], float]:
-        scheduled = first(seq.events, "scheduled")
+        scheduled = first(seq.events, ev.SCHEDULED)
         queue_end = scheduled.time if scheduled else seq.end
         delays = self.queue_delays(seq, seq.received, queue_end)
         delays += self.preemption_delays(seq)
@@ -361,7 +370,7 @@ def redact_events(events: Iterable[Mapping[str, Any]], viewer: str) -> list[dict
 
 # ---- the request -------------------------------------------------------------------------------
 def split_sequences(events: list[Ev], end_of_request: float | None) -> tuple[float, list[Track]]:
-    received_event = first(events, "received")
+    received_event = first(events, ev.RECEIVED)
     received = received_event.time if received_event else (events[0].time if events else 0.0)
     choices = sorted({e.choice for e in events if e.choice is not None})
     sequences = []
@@ -372,7 +381,7 @@ def split_sequences(events: list[Ev], end_of_request: float | None) -> tuple[flo
 
 
 def sequence_end(events: list[Ev], end_of_request: float | None) -> float:
-    for kind in ("finished", "aborted"):
+    for kind in (ev.FINISHED, ev.ABORTED):
         event = first(events, kind)
         if event is not None:
             return event.time
@@ -386,7 +395,7 @@ def explain(
 ) -> Explanation:
     """Sentences accounting for where the request's time went, and its named delays."""
     evs = normalise(events)
-    completed = first(evs, "completed")
+    completed = first(evs, ev.COMPLETED)
     received, sequences = split_sequences(evs, completed.time if completed else None)
     explainer = Explainer(record, viewer_tenant)
     if record.get("status") == "rejected" or not sequences:
@@ -410,14 +419,14 @@ def overview(record: Mapping[str, Any], evs: list[Ev], received: float, total: f
     status = record.get("status") or "finished"
     prompt, completion = record.get("prompt_tokens"), record.get("completion_tokens")
     tokens = f"{plural(completion or 0, 'completion token')} for a {prompt}-token prompt"
-    first_token = first(evs, "first_token")
+    first_token = first(evs, ev.FIRST_TOKEN)
     ttft = f"; first token at {offset(first_token.time - received)}" if first_token else ""
     priority = record.get("effective_priority")
     at_priority = f" at priority {priority}" if priority is not None else ""
-    if first(evs, "admitted") and first(evs, "admitted").data.get("rate_limits_unchecked"):
+    if first(evs, ev.ADMITTED) and first(evs, ev.ADMITTED).data.get("rate_limits_unchecked"):
         at_priority += " (rate limits unchecked: Redis was unreachable and limits fail open)"
     if status in ENDINGS:
-        ended = first(evs, "cancelled") if status == "cancelled" else None
+        ended = first(evs, ev.CANCELLED) if status == "cancelled" else None
         when = offset((ended.time if ended else received + total) - received)
         text = f"The request{at_priority} {ENDINGS[status]} at {when}, after {tokens}{ttft}."
         if status == "error" and record.get("error"):
@@ -467,7 +476,7 @@ def accounting(sequences, delays: list[Delay], totals: list[float], record) -> s
 
 def refused_explanation(record: Mapping[str, Any], evs: list[Ev], received: float) -> Explanation:
     reason = record.get("refusal_reason")
-    refused = first(evs, "refused")
+    refused = first(evs, ev.REFUSED)
     when = f" after {seconds(refused.time - received)}" if refused else ""
     cause = REFUSALS.get(reason or "", reason or "an unknown reason")
     sentence = f"The request was refused{when} because of {cause}; it never reached the engine."

@@ -46,7 +46,7 @@ async def prune_periodically(
 
 async def prune_once(sessionmaker, days: float) -> int:
     """Delete records older than `days`; a failure is logged and tried again next time."""
-    from gateway.audit import prune
+    from gateway.audit.queries import prune
 
     try:
         async with sessionmaker.begin() as session:

@@ -6,24 +6,26 @@ token: 401. With no admin token configured the whole sub-app answers 403.
 
 Every route is declared once in `ROUTES` (see `gateway.openapi.Route`): the handlers are added
 from it and `GET /admin/openapi.json` is generated from it. Tenants and keys live in
-`gateway.admin_tenants`, the audit queries in `gateway.admin_requests`.
+`gateway.admin.tenants`, the audit queries in `gateway.audit.routes`.
 """
 
 from __future__ import annotations
 
 import hmac
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from pydantic import BaseModel, Field
 
-from gateway import admin_requests as requests_api
-from gateway import admin_tenants as tenants_api
-from gateway.appkeys import AUTHENTICATOR, ENGINE, METRICS, SERVING_STATE, SETTINGS
+from gateway.admin import tenants as tenants_api
+from gateway.appkeys import AUTHENTICATOR, ENGINE_CLIENT, METRICS, SERVING_STATE, SETTINGS
+from gateway.audit import routes as requests_api
 from gateway.errors import APIError
 from gateway.openapi import BEARER_ADMIN, Route, add_routes, build_document
-from gateway.tenants import looks_like_key
+from gateway.tenancy.keys import looks_like_key
+
+if TYPE_CHECKING:
+    from runtime.engine_client import SequenceSnapshot
 
 OPENAPI_PATH = "/openapi.json"
 
@@ -120,22 +122,22 @@ class EngineState(BaseModel):
     num_swapped: int
 
 
-def sequence_state(request: Any, now: float) -> SequenceState:
-    sequence_id = request.request_id
+def sequence_state(sequence: SequenceSnapshot, now: float) -> SequenceState:
+    sequence_id = sequence.sequence_id
     http_id, _, choice = sequence_id.rpartition("-")
     return SequenceState(
         request_id=http_id if choice.isdigit() and http_id else sequence_id,
         sequence_id=sequence_id,
-        tenant=request.tenant,
-        priority=request.priority,
-        status=request.status.value,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=request.num_output_tokens,
-        num_computed_tokens=request.num_computed_tokens,
-        num_gpu_blocks=len(request.block_ids),
-        num_cpu_blocks=len(request.cpu_block_ids),
-        num_preemptions=request.num_preemptions,
-        age_s=max(now - request.arrival_time, 0.0),
+        tenant=sequence.tenant,
+        priority=sequence.priority,
+        status=sequence.status,
+        num_prompt_tokens=sequence.num_prompt_tokens,
+        num_output_tokens=sequence.num_output_tokens,
+        num_computed_tokens=sequence.num_computed_tokens,
+        num_gpu_blocks=sequence.num_gpu_blocks,
+        num_cpu_blocks=sequence.num_cpu_blocks,
+        num_preemptions=sequence.num_preemptions,
+        age_s=max(now - sequence.arrival_time, 0.0),
     )
 
 
@@ -147,34 +149,31 @@ def pool(num_blocks: int, num_free: int) -> PoolUsage:
     )
 
 
-def engine_snapshot(app: Any) -> EngineState:
-    """Plain reads and list copies of the engine's state: the engine thread is never stopped."""
-    async_engine = app[ENGINE]
-    engine = async_engine.engine
-    blocks, scheduler = engine.block_manager, engine.scheduler
-    now = time.monotonic()
+async def engine_state_of(app: Any) -> EngineState:
+    """The engine's snapshot (taken on its thread) with this replica's in-flight counts."""
+    client = app[ENGINE_CLIENT]
+    snapshot = await client.snapshot()
     running, waiting, swapped = (
-        [sequence_state(r, now) for r in list(queue)]
-        for queue in (scheduler.running, scheduler.waiting, scheduler.swapped)
+        [sequence_state(s, snapshot.taken_at) for s in line]
+        for line in (snapshot.running, snapshot.waiting, snapshot.swapped)
     )
-    step_times = list(async_engine.step_times)
-    queries = blocks.num_prefix_queries
+    queries = snapshot.num_prefix_queries
     state = app[SERVING_STATE]
-    gpu = pool(blocks.num_gpu_blocks, blocks.num_free_gpu_blocks)
-    cpu = pool(blocks.num_cpu_blocks, blocks.num_free_cpu_blocks)
+    gpu = pool(snapshot.num_gpu_blocks, snapshot.num_free_gpu_blocks)
+    cpu = pool(snapshot.num_cpu_blocks, snapshot.num_free_cpu_blocks)
     return EngineState(
-        model=engine.model_name,
-        max_model_len=engine.max_model_len,
+        model=client.info.model_name,
+        max_model_len=client.info.max_model_len,
         running=running,
         waiting=waiting,
         swapped=swapped,
         gpu_kv=gpu,
         cpu_kv=cpu,
         steps_per_s=app[METRICS].step_rate.rate(),
-        mean_step_time_s=sum(step_times) / len(step_times) if step_times else None,
-        num_steps=engine.num_steps,
-        num_preemptions=dict(scheduler.num_preemptions),
-        prefix_cache_hit_rate=blocks.num_prefix_hits / queries if queries else None,
+        mean_step_time_s=snapshot.mean_step_time_s,
+        num_steps=snapshot.num_steps,
+        num_preemptions=snapshot.num_preemptions,
+        prefix_cache_hit_rate=snapshot.num_prefix_hits / queries if queries else None,
         num_inflight_requests=len(state.inflight),
         num_inflight_sequences=state.num_inflight_sequences,
         num_gpu_blocks=gpu.num_blocks,
@@ -190,8 +189,8 @@ def engine_snapshot(app: Any) -> EngineState:
 
 
 async def engine_state(request: web.Request) -> web.Response:
-    snapshot = engine_snapshot(request.config_dict)
-    return web.json_response(text=snapshot.model_dump_json())
+    state = await engine_state_of(request.config_dict)
+    return web.json_response(text=state.model_dump_json())
 
 
 class CancelResult(BaseModel):
@@ -209,7 +208,7 @@ async def cancel_request(request: web.Request) -> web.Response:
         raise APIError(
             404, f"No request {request_id!r} is running on this replica.", code="not_found"
         )
-    tracker.cancel(request.config_dict[ENGINE])
+    tracker.cancel(request.config_dict[ENGINE_CLIENT])
     result = CancelResult(
         id=request_id, status="cancelling", num_sequences=tracker.plan.num_choices
     )

@@ -5,14 +5,16 @@ other tenants' names and request ids are redacted from the explanation and the e
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway.appkeys import PRINCIPAL, SESSIONMAKER
-from gateway.audit import (
+from gateway.appkeys import AUDIT, PRINCIPAL, SESSIONMAKER
+from gateway.audit.explain import explain, redact_events
+from gateway.audit.queries import (
     MAX_PAGE_SIZE,
     AuditEventOut,
     AuditRecordOut,
@@ -20,9 +22,10 @@ from gateway.audit import (
     get_request,
     list_requests,
 )
+from gateway.audit.records import record_id_of
 from gateway.errors import APIError, bad_request
-from gateway.explain import explain, redact_events
 
+READ_THROUGH_TIMEOUT_S = 5.0
 STATUSES = ("finished", "aborted", "cancelled", "error", "rejected")
 
 
@@ -109,7 +112,7 @@ async def list_requests_handler(request: web.Request) -> web.Response:
 async def tenant_filter(session, query: RequestQuery) -> int | None:
     if query.tenant is None:
         return query.tenant_id
-    from gateway.tenants import TenantNotFound, get_tenant_by_name
+    from gateway.tenancy.tenants import TenantNotFound, get_tenant_by_name
 
     try:
         tenant = await get_tenant_by_name(session, query.tenant)
@@ -134,13 +137,35 @@ async def own_request(request: web.Request) -> web.Response:
 
 
 async def request_detail(
-    request: web.Request, request_id: str, tenant_id: int | None, viewer: str | None
+    request: web.Request, given_id: str, tenant_id: int | None, viewer: str | None
 ) -> RequestDetailOut:
-    async with request.config_dict[SESSIONMAKER]() as session:
-        detail = await get_request(session, request_id, tenant_id=tenant_id)
+    """The record of a body id (`cmpl-…`, `chatcmpl-…`) or an x-request-id. Read through the
+    audit writer: a record still queued is written first, so it is readable as soon as the
+    response has ended."""
+    request_id = record_id_of(given_id)
+    detail = await read_detail(request, request_id, tenant_id)
+    if detail is None and await flushed_pending(request):
+        detail = await read_detail(request, request_id, tenant_id)
     if detail is None:
-        raise APIError(404, f"No request {request_id!r} in the audit log.", code="not_found")
+        raise APIError(404, f"No request {given_id!r} in the audit log.", code="not_found")
     return with_explanation(detail.record, detail.events, viewer)
+
+
+async def read_detail(request: web.Request, request_id: str, tenant_id: int | None):
+    async with request.config_dict[SESSIONMAKER]() as session:
+        return await get_request(session, request_id, tenant_id=tenant_id)
+
+
+async def flushed_pending(request: web.Request) -> bool:
+    """Whether the audit writer had queued records and has now written (or spooled) them."""
+    writer = request.config_dict.get(AUDIT)
+    if writer is None or writer.num_pending == 0:
+        return False
+    try:
+        await asyncio.wait_for(writer.flush(), READ_THROUGH_TIMEOUT_S)
+    except (asyncio.TimeoutError, RuntimeError):
+        return False
+    return True
 
 
 def with_explanation(

@@ -1,9 +1,5 @@
-"""Tenants and API keys: validated CRUD on an `AsyncSession`, keyed hashing, and authentication.
-
-The service functions flush but never commit; callers own the transaction:
-
-    async with sessionmaker.begin() as session:
-        tenant = await create_tenant(session, TenantCreate(name="acme", rpm=600))
+"""API keys: creation, listing and revocation, keyed hashing, and authentication with a short
+cache.
 
 API keys are shown once (`cvy_` + 40 url-safe characters) and stored only as an HMAC-SHA256 of
 the key under a server secret, next to a short visible prefix.
@@ -22,96 +18,32 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from sqlalchemy import delete, select, update
-from sqlalchemy.exc import IntegrityError
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.models import ApiKey, Tenant, utcnow
+from gateway.tenancy.tenants import TenantOut, load_tenant
 
 log = logging.getLogger(__name__)
 
+
 KEY_SCHEME = "cvy_"
+
+
 KEY_SECRET_LEN = 40  # url-safe characters after the scheme
+
+
 KEY_PREFIX_LEN = len(KEY_SCHEME) + 4
+
+
 KEY_PATTERN = re.compile(rf"{KEY_SCHEME}[A-Za-z0-9_-]{{{KEY_SECRET_LEN}}}")
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
-TENANT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # safe in Redis tags and labels
-
-
-class TenantNotFound(LookupError):
-    pass
-
-
-class TenantNameTaken(ValueError):
-    pass
 
 
 class ApiKeyNotFound(LookupError):
     pass
-
-
-# --- pydantic bodies ------------------------------------------------------------------------
-
-
-class TenantCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(pattern=TENANT_NAME_PATTERN)
-    default_priority: int = Field(0, ge=-1_000_000, le=1_000_000)
-    max_priority: int = Field(0, ge=-1_000_000, le=1_000_000)  # most urgent allowed
-    weight: float = Field(1.0, gt=0, le=1_000_000, allow_inf_nan=False)
-    rpm: int | None = Field(None, ge=1, le=INT32_MAX)
-    tpm: int | None = Field(None, ge=1, le=INT64_MAX)
-    max_concurrency: int | None = Field(None, ge=1, le=INT32_MAX)
-    daily_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
-    monthly_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
-    enabled: bool = True
-
-    @model_validator(mode="after")
-    def _max_priority_is_at_least_as_urgent(self) -> TenantCreate:
-        if self.max_priority > self.default_priority:
-            raise ValueError(
-                "max_priority (the most urgent allowed) must be <= default_priority;"
-                " lower numbers are more urgent"
-            )
-        return self
-
-
-class TenantUpdate(BaseModel):
-    """A partial change: only the fields given are applied; `null` on a limit means unlimited."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str | None = None
-    default_priority: int | None = None
-    max_priority: int | None = None
-    weight: float | None = None
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
-    daily_token_quota: int | None = None
-    monthly_token_quota: int | None = None
-    enabled: bool | None = None
-
-
-class TenantOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    name: str
-    default_priority: int
-    max_priority: int
-    weight: float
-    rpm: int | None
-    tpm: int | None
-    max_concurrency: int | None
-    daily_token_quota: int | None
-    monthly_token_quota: int | None
-    enabled: bool
 
 
 class ApiKeyOut(BaseModel):
@@ -125,84 +57,6 @@ class ApiKeyOut(BaseModel):
     created_at: datetime
     last_used_at: datetime | None
     revoked_at: datetime | None
-
-
-TENANT_FIELDS = tuple(TenantCreate.model_fields)
-
-
-def tenant_fields(tenant: Any) -> dict[str, Any]:
-    """The shared field names of a tenant (ORM row or pydantic model) as a plain dict."""
-    return {field: getattr(tenant, field) for field in TENANT_FIELDS}
-
-
-# --- tenants --------------------------------------------------------------------------------
-
-
-async def create_tenant(session: AsyncSession, data: TenantCreate) -> TenantOut:
-    await _check_name_free(session, data.name)
-    tenant = Tenant(**data.model_dump())
-    session.add(tenant)
-    await _flush_or_name_taken(session, data.name)
-    return TenantOut.model_validate(tenant)
-
-
-async def list_tenants(session: AsyncSession) -> list[TenantOut]:
-    tenants = await session.scalars(select(Tenant).order_by(Tenant.id))
-    return [TenantOut.model_validate(tenant) for tenant in tenants]
-
-
-async def get_tenant(session: AsyncSession, tenant_id: int) -> TenantOut:
-    return TenantOut.model_validate(await _load_tenant(session, tenant_id))
-
-
-async def get_tenant_by_name(session: AsyncSession, name: str) -> TenantOut:
-    tenant = await session.scalar(select(Tenant).where(Tenant.name == name))
-    if tenant is None:
-        raise TenantNotFound(f"no tenant named {name!r}")
-    return TenantOut.model_validate(tenant)
-
-
-async def update_tenant(session: AsyncSession, tenant_id: int, changes: TenantUpdate) -> TenantOut:
-    """Apply `changes`; the merged tenant is validated as a whole (pydantic ValidationError)."""
-    tenant = await _load_tenant(session, tenant_id)
-    given = changes.model_dump(exclude_unset=True)
-    current = tenant_fields(tenant)
-    merged = TenantCreate.model_validate({**current, **given})
-    if "name" in given and merged.name != tenant.name:
-        await _check_name_free(session, merged.name)
-    for field in given:
-        setattr(tenant, field, getattr(merged, field))
-    await _flush_or_name_taken(session, merged.name)
-    return TenantOut.model_validate(tenant)
-
-
-async def delete_tenant(session: AsyncSession, tenant_id: int) -> None:
-    """Delete the tenant and its keys; its audit records stay."""
-    await _load_tenant(session, tenant_id)
-    await session.execute(delete(ApiKey).where(ApiKey.tenant_id == tenant_id))
-    await session.execute(delete(Tenant).where(Tenant.id == tenant_id))
-
-
-async def _load_tenant(session: AsyncSession, tenant_id: int) -> Tenant:
-    tenant = await session.get(Tenant, tenant_id)
-    if tenant is None:
-        raise TenantNotFound(f"no tenant with id {tenant_id}")
-    return tenant
-
-
-async def _check_name_free(session: AsyncSession, name: str) -> None:
-    if await session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
-        raise TenantNameTaken(f"a tenant named {name!r} already exists")
-
-
-async def _flush_or_name_taken(session: AsyncSession, name: str) -> None:
-    try:
-        await session.flush()
-    except IntegrityError as error:  # a concurrent create won the race for the name
-        raise TenantNameTaken(f"a tenant named {name!r} already exists") from error
-
-
-# --- API keys -------------------------------------------------------------------------------
 
 
 class KeyHasher:
@@ -232,7 +86,7 @@ async def create_key(
     session: AsyncSession, tenant_id: int, hasher: KeyHasher
 ) -> tuple[ApiKey, str]:
     """A new key for the tenant: the stored row and the plaintext, which is never stored."""
-    await _load_tenant(session, tenant_id)
+    await load_tenant(session, tenant_id)
     plaintext = new_plaintext_key()
     key = ApiKey(
         tenant_id=tenant_id, prefix=plaintext[:KEY_PREFIX_LEN], key_hash=hasher.hash(plaintext)
@@ -243,7 +97,7 @@ async def create_key(
 
 
 async def list_keys(session: AsyncSession, tenant_id: int) -> list[ApiKey]:
-    await _load_tenant(session, tenant_id)
+    await load_tenant(session, tenant_id)
     keys = await session.scalars(
         select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id)
     )
@@ -259,9 +113,6 @@ async def revoke_key(session: AsyncSession, key_id: int) -> ApiKey:
         key.revoked_at = utcnow()
         await session.flush()
     return key
-
-
-# --- authentication -------------------------------------------------------------------------
 
 
 class AuthResult(NamedTuple):

@@ -24,25 +24,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.appkeys import AUTHENTICATOR, RATE_LIMITER, SESSIONMAKER, SETTINGS
 from gateway.errors import APIError, bad_request, from_validation_error
-from gateway.tenants import (
-    INT32_MAX,
-    INT64_MAX,
-    TENANT_NAME_PATTERN,
+from gateway.tenancy.keys import (
     ApiKeyNotFound,
     ApiKeyOut,
     KeyHasher,
+    create_key,
+    list_keys,
+    revoke_key,
+)
+from gateway.tenancy.tenants import (
+    INT32_MAX,
+    INT64_MAX,
+    TENANT_NAME_PATTERN,
     TenantCreate,
     TenantNameTaken,
     TenantNotFound,
     TenantOut,
     TenantUpdate,
-    create_key,
     create_tenant,
     delete_tenant,
     get_tenant,
-    list_keys,
     list_tenants,
-    revoke_key,
     update_tenant,
 )
 
@@ -241,7 +243,7 @@ async def revoke_key_handler(request: web.Request) -> web.Response:
 
 # ---- usage -----------------------------------------------------------------------------------
 async def usage_handler(request: web.Request) -> web.Response:
-    from gateway.openai_api import tenant_limits
+    from gateway.tenancy.admission import tenant_limits
 
     tenant = await load_tenant(request)
     state = await request.config_dict[RATE_LIMITER].usage(tenant_limits(tenant))

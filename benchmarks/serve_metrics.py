@@ -1,0 +1,131 @@
+"""What `conveyor bench serve` reports: the metrics of its requests (TTFT, ITL, TPOT, E2EL) and the
+report blocks, in `vllm bench serve`'s names and layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+BLOCK_WIDTH = 50
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    status: int = 0
+    error: str = ""
+
+
+METRICS = (
+    ("ttft", "Time to First Token", "TTFT"),
+    ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+    ("itl", "Inter-token Latency", "ITL"),
+    ("e2el", "End-to-end Latency", "E2EL"),
+)
+
+
+def percentiles_of(text: str) -> list[float]:
+    return [float(p) for p in text.split(",") if p.strip()]
+
+
+def latency_stats(name: str, seconds: list[float], percentiles: list[float]) -> dict[str, float]:
+    values = np.asarray(seconds or [0.0]) * 1000
+    stats = {
+        f"mean_{name}_ms": float(values.mean()),
+        f"median_{name}_ms": float(np.median(values)),
+        f"std_{name}_ms": float(values.std()),
+    }
+    for p in percentiles:
+        stats[f"p{p:g}_{name}_ms"] = float(np.percentile(values, p))
+    return stats
+
+
+def summarize(results: list[RequestResult], duration: float, percentiles: list[float]) -> dict:
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_len for r in ok)
+    samples = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1],
+        "itl": [gap for r in ok for gap in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
+    summary: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "successful": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+    }
+    for name, values in samples.items():
+        summary.update(latency_stats(name, values, percentiles))
+    summary["input_lens"] = [r.prompt_len for r in results]
+    summary["output_lens"] = [r.output_len for r in results]
+    summary["ttfts"] = [r.ttft for r in results]
+    summary["itls"] = [r.itl for r in results]
+    summary["errors"] = [r.error for r in results]
+    return summary
+
+
+def line(label: str, value: Any) -> str:
+    if isinstance(value, float):
+        value = f"{value:.2f}"
+    return f"{label + ':':<40} {value}"
+
+
+def heading(title: str, fill: str = "-") -> str:
+    return f"{title:{fill}^{BLOCK_WIDTH}}"
+
+
+def serving_report(result: dict[str, Any], percentiles: list[float]) -> str:
+    lines = [heading(" Serving Benchmark Result ", "=")]
+    lines += [
+        line("Successful requests", result["successful"]),
+        line("Failed requests", result["failed"]),
+        line("Maximum request concurrency", result["max_concurrency"] or "unlimited"),
+        line("Request rate configured (RPS)", result["request_rate"]),
+        line("Benchmark duration (s)", result["duration"]),
+        line("Total input tokens", result["total_input_tokens"]),
+        line("Total generated tokens", result["total_output_tokens"]),
+        line("Request throughput (req/s)", result["request_throughput"]),
+        line("Output token throughput (tok/s)", result["output_throughput"]),
+        line("Total Token throughput (tok/s)", result["total_token_throughput"]),
+    ]
+    for name, title, short in METRICS:
+        lines.append(heading(title))
+        lines.append(line(f"Mean {short} (ms)", result[f"mean_{name}_ms"]))
+        lines.append(line(f"Median {short} (ms)", result[f"median_{name}_ms"]))
+        for p in percentiles:
+            lines.append(line(f"P{p:g} {short} (ms)", result[f"p{p:g}_{name}_ms"]))
+    lines.append("=" * BLOCK_WIDTH)
+    return "\n".join(lines)
+
+
+def throughput_report(result: dict[str, Any], percentiles: list[float]) -> str:
+    lines = [heading(" Gateway Throughput Result ", "=")]
+    lines += [
+        line("Endpoint", f"GET {result['endpoint']}"),
+        line("Successful requests", result["successful"]),
+        line("Failed requests", result["failed"]),
+        line("Maximum request concurrency", result["max_concurrency"] or "unlimited"),
+        line("Benchmark duration (s)", result["duration"]),
+        line("Request throughput (req/s)", result["request_throughput"]),
+        heading("Latency"),
+        line("Mean latency (ms)", result["mean_e2el_ms"]),
+        line("Median latency (ms)", result["median_e2el_ms"]),
+    ]
+    lines += [line(f"P{p:g} latency (ms)", result[f"p{p:g}_e2el_ms"]) for p in percentiles]
+    statuses = ", ".join(f"{code}: {n}" for code, n in sorted(result["status_codes"].items()))
+    lines += [line("HTTP status codes", statuses), "=" * BLOCK_WIDTH]
+    return "\n".join(lines)

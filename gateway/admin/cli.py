@@ -1,0 +1,199 @@
+"""Operator commands on the database `conveyor serve` uses: `conveyor tenants ...`,
+`conveyor keys ...` and `conveyor db ...`.
+
+    conveyor db upgrade                                  # create or migrate the schema
+    conveyor tenants create --name acme --rpm 600 --tpm 100000 --max-priority -1
+    conveyor tenants list [--json]
+    conveyor tenants update acme --rpm none --disable    # `none` removes a limit
+    conveyor keys create --tenant acme                   # prints the key once
+    conveyor keys list --tenant acme
+    conveyor keys revoke 7                               # by id, prefix (cvy_ab12) or full key
+
+Every command takes `--database-url` (default: `CONVEYOR_DATABASE_URL`, else the server's
+default `sqlite:///conveyor.db`). Keys are hashed with `--key-hash-secret` (default:
+`CONVEYOR_KEY_HASH_SECRET`, else the server's development secret), which must be the server's.
+Flags carry the shared field names (`--max-priority` sets `max_priority`, ...). Errors print
+one line and exit 1; bad flags exit 2 (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gateway.admin.commands import (
+    TENANT_COLUMNS,
+    db_current,
+    db_downgrade,
+    db_upgrade,
+    keys_create,
+    keys_list,
+    keys_revoke,
+    runner,
+    tenants_create,
+    tenants_list,
+    tenants_update,
+)
+
+LIMIT_FIELDS = ("rpm", "tpm", "max_concurrency", "daily_token_quota", "monthly_token_quota")
+
+
+NO_LIMIT_WORDS = ("none", "unlimited")
+
+
+TENANT_COLUMNS += LIMIT_FIELDS
+
+
+# ==== command line ============================================================================
+def register(subparsers) -> None:
+    common = common_options()
+    register_tenants(subparsers, common)
+    register_keys(subparsers, common)
+    register_db(subparsers, common)
+
+
+def common_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--database-url",
+        default=None,
+        help="database to use (default: $CONVEYOR_DATABASE_URL, else sqlite:///conveyor.db,"
+        " as `conveyor serve`)",
+    )
+    return parent
+
+
+def json_option() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parent
+
+
+def secret_option() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--key-hash-secret",
+        default=None,
+        help="the server's API key secret (default: $CONVEYOR_KEY_HASH_SECRET, else the"
+        " development secret `conveyor serve` uses when none is set)",
+    )
+    return parent
+
+
+def register_tenants(subparsers, common: argparse.ArgumentParser) -> None:
+    tenants = subparsers.add_parser("tenants", help="create, list and change tenants")
+    sub = tenants.add_subparsers(dest="tenants_command", required=True, metavar="COMMAND")
+    parents = [common, json_option()]
+    create = sub.add_parser(
+        "create", parents=parents, help="add a tenant", epilog=LIMITS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    create.add_argument("--name", required=True, help="letters, digits, '_', '.', '-'")
+    add_tenant_field_args(create)
+    create.add_argument(
+        "--disable", dest="enabled", action="store_false", default=argparse.SUPPRESS,
+        help="create it disabled (its keys are refused until `--enable`)",
+    )  # fmt: skip
+    create.set_defaults(func=runner(tenants_create))
+    listing = sub.add_parser("list", parents=parents, help="show every tenant")
+    listing.set_defaults(func=runner(tenants_list))
+    update = sub.add_parser(
+        "update", parents=parents, help="change a tenant's fields (only those given)",
+        epilog=LIMITS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    update.add_argument("tenant", metavar="NAME", help="the tenant to change")
+    update.add_argument("--name", default=argparse.SUPPRESS, help="rename it to this")
+    add_tenant_field_args(update)
+    add_enabled_switch(update)
+    update.set_defaults(func=runner(tenants_update))
+
+
+LIMITS_EPILOG = """\
+limits (--rpm, --tpm, --max-concurrency, --daily-token-quota, --monthly-token-quota):
+  a positive integer, or `none` for no limit; on `update`, `--rpm none` removes the limit.
+  Unset limits on `create` are unlimited. Priorities: lower numbers are more urgent, so
+  --max-priority (the most urgent a request may ask for) must be <= --default-priority."""
+
+
+def add_tenant_field_args(parser: argparse.ArgumentParser) -> None:
+    """The tenant's fields as flags; a flag not given stays out of `args` (argparse.SUPPRESS)."""
+    unset = argparse.SUPPRESS
+    parser.add_argument("--default-priority", type=int, default=unset, help="default 0")
+    parser.add_argument(
+        "--max-priority", type=int, default=unset, help="most urgent allowed (default 0)"
+    )
+    parser.add_argument(
+        "--weight", type=float, default=unset, help="fair-share weight (default 1.0)"
+    )
+    helps = {
+        "rpm": "requests per minute",
+        "tpm": "tokens per minute (prompt + max_tokens reserved)",
+        "max_concurrency": "requests running at once",
+        "daily_token_quota": "tokens per UTC day",
+        "monthly_token_quota": "tokens per UTC month",
+    }
+    for field, text in helps.items():
+        flag = "--" + field.replace("_", "-")
+        parser.add_argument(flag, type=limit_value, default=unset, metavar="N|none", help=text)
+
+
+def add_enabled_switch(parser: argparse.ArgumentParser) -> None:
+    switch = parser.add_mutually_exclusive_group()
+    switch.add_argument(
+        "--enable",
+        dest="enabled",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="accept its keys again",
+    )
+    switch.add_argument(
+        "--disable",
+        dest="enabled",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="its keys are refused (within seconds on every replica) until --enable",
+    )
+
+
+def limit_value(text: str) -> int | None:
+    """A limit flag's value: an integer, or `none` / `unlimited` for no limit."""
+    if text.strip().lower() in NO_LIMIT_WORDS:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def register_keys(subparsers, common: argparse.ArgumentParser) -> None:
+    keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
+    sub = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    parents = [common, json_option()]
+    create = sub.add_parser(
+        "create", parents=[*parents, secret_option()], help="new key for a tenant (shown once)"
+    )
+    create.add_argument("--tenant", required=True, metavar="NAME")
+    create.set_defaults(func=runner(keys_create))
+    listing = sub.add_parser("list", parents=parents, help="a tenant's keys (never the keys)")
+    listing.add_argument("--tenant", required=True, metavar="NAME")
+    listing.set_defaults(func=runner(keys_list))
+    revoke = sub.add_parser("revoke", parents=[*parents, secret_option()], help="revoke a key")
+    revoke.add_argument(
+        "key", metavar="KEY", help="the key's id, its prefix (e.g. cvy_ab12) or the key itself"
+    )
+    revoke.add_argument("--tenant", metavar="NAME", help="only look among this tenant's keys")
+    revoke.set_defaults(func=runner(keys_revoke))
+
+
+def register_db(subparsers, common: argparse.ArgumentParser) -> None:
+    db = subparsers.add_parser("db", help="schema migrations (Alembic)")
+    sub = db.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
+    upgrade = sub.add_parser("upgrade", parents=[common], help="migrate up (default: head)")
+    upgrade.add_argument("revision", nargs="?", default="head")
+    upgrade.set_defaults(func=runner(db_upgrade))
+    downgrade = sub.add_parser(
+        "downgrade", parents=[common], help="migrate down (default: one step; `base` drops all)"
+    )
+    downgrade.add_argument("revision", nargs="?", default="-1")
+    downgrade.set_defaults(func=runner(db_downgrade))
+    current = sub.add_parser("current", parents=[common], help="print the schema revision")
+    current.set_defaults(func=runner(db_current))

@@ -1,0 +1,28 @@
+"""The kinds of event in an audit trail, each declared once: the scheduler's own (from
+`scheduler.events`, imported, never retyped) and the ones the gateway adds around them."""
+
+from __future__ import annotations
+
+from scheduler.events import (  # noqa: F401 (re-exported: the audit trail's engine kinds)
+    ABORTED,
+    FINISHED,
+    PREEMPTED,
+    PRIORITY_AGED,
+    QUEUED,
+    RECOMPUTE_STARTED,
+    RESUMED,
+    SCHEDULED,
+    SWAPPED_IN,
+    WAITING_BEHIND,
+    WAITING_FOR_BATCH,
+    WAITING_FOR_BUDGET,
+    WAITING_FOR_KV,
+    WAITING_FOR_SLOT,
+)
+
+RECEIVED = "received"  # the gateway read the request
+ADMITTED = "admitted"  # capacity and the tenant's limits let it in
+REFUSED = "refused"  # it got a 4xx/5xx before the engine saw it
+FIRST_TOKEN = "first_token"
+CANCELLED = "cancelled"  # by an operator
+COMPLETED = "completed"  # the gateway settled it (refund, audit record)

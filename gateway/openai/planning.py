@@ -1,0 +1,228 @@
+"""The plan of one HTTP request: its prompts as token ids (tokenized once, checked once against
+the vocabulary and the context), one SamplingParams per choice, and the tenant's effective
+priority.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from gateway.appkeys import (
+    ENGINE_CLIENT,
+    PRINCIPAL,
+    RECEIVED,
+    REQUEST_ID,
+    Principal,
+)
+from gateway.errors import (
+    bad_request,
+    model_not_found,
+)
+from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from scheduler.request import SamplingParams
+
+MAX_PROMPTS = 32
+
+
+LONG_PROMPT_CHARS = 8192  # tokenize longer prompts on a thread
+
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+
+
+# ==== the plan: what to run for one HTTP request ===============================================
+@dataclass
+class Plan:
+    request_id: str
+    model: str
+    principal: Principal
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # one per choice: choice i answers prompts[i // n]
+    n: int
+    requested_priority: int | None
+    priority: int
+    received_at: float = field(default_factory=time.time)
+    received_mono: float = field(default_factory=time.monotonic)  # the engine's event clock
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.params)
+
+    def sequence_id(self, choice: int) -> str:
+        """The engine request id of one choice."""
+        return f"{self.request_id}-{choice}"
+
+    def mono_to_wall(self, mono: float | None) -> float | None:
+        return None if mono is None else self.received_at + (mono - self.received_mono)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(prompt) for prompt in self.prompts)
+
+    @property
+    def num_reserved_output_tokens(self) -> int:
+        return sum(params.max_tokens for params in self.params)
+
+    def prompt_of(self, choice_index: int) -> list[int]:
+        return self.prompts[choice_index // self.n]
+
+
+def effective_priority(requested: int | None, tenant: Any) -> int:
+    """Lower is more urgent; a tenant may not be more urgent than its `max_priority`."""
+    priority = tenant.default_priority if requested is None else requested
+    return max(priority, tenant.max_priority)
+
+
+def sampling_params(
+    body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int
+) -> SamplingParams:
+    defaults = SamplingParams()
+
+    def given(value, default):
+        return default if value is None else value
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=given(body.temperature, defaults.temperature),
+        top_p=given(body.top_p, defaults.top_p),
+        top_k=given(body.top_k, defaults.top_k),
+        min_p=given(body.min_p, defaults.min_p),
+        seed=None if body.seed is None else body.seed + choice,
+        presence_penalty=given(body.presence_penalty, defaults.presence_penalty),
+        frequency_penalty=given(body.frequency_penalty, defaults.frequency_penalty),
+        repetition_penalty=given(body.repetition_penalty, defaults.repetition_penalty),
+        stop=body.stop_list(),
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def check_model(request: web.Request, model: str) -> None:
+    if model != request.app[ENGINE_CLIENT].info.model_name:
+        raise model_not_found(model)
+
+
+def check_prompt_fits(engine, prompt: list[int], max_tokens: int | None, param: str) -> None:
+    """The prompt's ids are in the vocabulary, and prompt + max_tokens fits the context."""
+    vocab_size = engine.tokenizer.vocab_size
+    if not prompt:
+        raise bad_request("The prompt is empty.", param=param)
+    if any(not 0 <= token_id < vocab_size for token_id in prompt):
+        raise bad_request(f"Token ids must be in [0, {vocab_size}).", param=param)
+    max_model_len = engine.info.max_model_len
+    num_output = max_tokens or 1  # no max_tokens: whatever fits, at least one token
+    if len(prompt) + num_output > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {len(prompt) + num_output} tokens ({len(prompt)} in the prompt, "
+            f"{num_output} for the completion). Please reduce the prompt or max_tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def validate_with_engine(engine, prompt: list[int], params: SamplingParams, param: str) -> None:
+    from runtime.engine import RequestError
+
+    try:
+        engine.validate(prompt, params)
+    except RequestError as error:
+        raise bad_request(str(error), param=error.param or param, code=error.code) from None
+
+
+def make_plan(
+    request: web.Request,
+    body: SamplingFields,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    logprobs: int | None,
+    param: str,
+) -> Plan:
+    principal = request[PRINCIPAL]
+    params = [
+        sampling_params(body, max_tokens[choice // body.n], logprobs, choice % body.n)
+        for choice in range(len(prompts) * body.n)
+    ]
+    engine = request.app[ENGINE_CLIENT]
+    for prompt, choice_params in zip(prompts, params[:: body.n]):
+        validate_with_engine(engine, prompt, choice_params, param)
+    received_at, received_mono = request.get(RECEIVED) or (time.time(), time.monotonic())
+    return Plan(
+        request_id=request[REQUEST_ID],
+        model=body.model,
+        principal=principal,
+        prompts=prompts,
+        params=params,
+        n=body.n,
+        requested_priority=body.priority,
+        priority=effective_priority(body.priority, principal.tenant),
+        received_at=received_at,
+        received_mono=received_mono,
+    )
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+async def tokenize(engine, text: str) -> list[int]:
+    if len(text) > LONG_PROMPT_CHARS:
+        return await asyncio.to_thread(engine.tokenizer.encode, text)
+    return engine.tokenizer.encode(text)
+
+
+async def completion_prompts(engine, body: CompletionRequest) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [await tokenize(engine, prompt)]
+    if not prompt:
+        raise bad_request("The prompt is empty.", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+    if isinstance(prompt[0], str):
+        return [await tokenize(engine, text) for text in prompt]
+    return [list(ids) for ids in prompt]
+
+
+async def chat_prompt(engine, body: ChatCompletionRequest) -> list[int]:
+    messages = [message.as_template_message() for message in body.messages]
+    try:
+        return await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
+    except ValueError as error:
+        raise bad_request(str(error), param="messages") from None
+
+
+def reject_unsupported_completion_fields(body: CompletionRequest) -> None:
+    if body.echo:
+        raise bad_request("'echo' is not supported.", param="echo")
+    if body.suffix:
+        raise bad_request("'suffix' is not supported.", param="suffix")
+
+
+async def plan_completion(request: web.Request, body: CompletionRequest) -> Plan:
+    reject_unsupported_completion_fields(body)
+    check_model(request, body.model)
+    engine = request.app[ENGINE_CLIENT]
+    prompts = await completion_prompts(engine, body)
+    max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    for prompt in prompts:
+        check_prompt_fits(engine, prompt, max_tokens, "prompt")
+    return make_plan(request, body, prompts, [max_tokens] * len(prompts), body.logprobs, "prompt")
+
+
+async def plan_chat(request: web.Request, body: ChatCompletionRequest) -> Plan:
+    check_model(request, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+    engine = request.app[ENGINE_CLIENT]
+    prompt = await chat_prompt(engine, body)
+    requested_max = body.max_completion_tokens or body.max_tokens
+    check_prompt_fits(engine, prompt, requested_max, "messages")
+    max_tokens = requested_max or engine.info.max_model_len - len(prompt)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return make_plan(request, body, [prompt], [max_tokens], logprobs, "messages")

@@ -1,0 +1,208 @@
+"""OpenAI response bodies and SSE chunks from engine outputs: completions and chat, logprobs,
+usage, rate-limit headers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.audit.records import CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX
+from gateway.openai.planning import Plan
+from gateway.openai.tracking import Tracker
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+# ==== rendering ================================================================================
+@dataclass
+class ChoiceState:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_text_chars_sent: int = 0  # for completions' text_offset while streaming
+
+    def add(self, output) -> None:
+        self.text += output.new_text
+        self.token_ids += output.new_token_ids
+        self.logprobs += output.logprobs
+        if output.finished:
+            self.finish_reason = output.finish_reason
+
+
+def usage_body(plan: Plan, choices: list[ChoiceState], num_cached: int) -> dict[str, Any]:
+    completion_tokens = sum(len(choice.token_ids) for choice in choices)
+    return {
+        "prompt_tokens": plan.num_prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": plan.num_prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
+
+
+class TokenText:
+    """Strings and bytes of single tokens for logprobs, cached."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self.cache[token_id] = text
+        return text
+
+
+class CompletionFormat:
+    object_name = "text_completion"
+    id_prefix = COMPLETION_ID_PREFIX
+
+    def __init__(self, token_text: TokenText, with_logprobs: bool) -> None:
+        self.token_text = token_text
+        self.with_logprobs = with_logprobs
+
+    def logprobs(self, items: list[Any], text_offset: int) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        tokens = [self.token_text(item.token_id) for item in items]
+        offsets = []
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [item.logprob for item in items],
+            "top_logprobs": [{self.token_text(tid): lp for tid, lp in item.top} for item in items],
+            "text_offset": offsets,
+        }
+
+    def choice(self, state: ChoiceState) -> dict[str, Any]:
+        return {
+            "index": state.index,
+            "text": state.text,
+            "logprobs": self.logprobs(state.logprobs, 0),
+            "finish_reason": state.finish_reason,
+        }
+
+    def first_deltas(self, num_choices: int) -> list[dict[str, Any]]:
+        return []
+
+    def deltas(self, state: ChoiceState, output) -> list[dict[str, Any]]:
+        if not (output.new_text or output.logprobs or output.finished):
+            return []
+        logprobs = self.logprobs(output.logprobs, state.num_text_chars_sent)
+        if logprobs:
+            state.num_text_chars_sent += sum(len(token) for token in logprobs["tokens"])
+        delta = {
+            "index": state.index,
+            "text": output.new_text,
+            "logprobs": logprobs,
+            "finish_reason": output.finish_reason if output.finished else None,
+        }
+        return [delta]
+
+
+class ChatFormat:
+    object_name = "chat.completion"
+    id_prefix = CHAT_COMPLETION_ID_PREFIX
+
+    def __init__(self, token_text: TokenText, with_logprobs: bool) -> None:
+        self.token_text = token_text
+        self.with_logprobs = with_logprobs
+
+    def token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def logprobs(self, items: list[Any]) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        content = [
+            {
+                **self.token_entry(item.token_id, item.logprob),
+                "top_logprobs": [self.token_entry(tid, lp) for tid, lp in item.top],
+            }
+            for item in items
+        ]
+        return {"content": content, "refusal": None}
+
+    def choice(self, state: ChoiceState) -> dict[str, Any]:
+        message = {"role": "assistant", "content": state.text, "refusal": None}
+        return {
+            "index": state.index,
+            "message": message,
+            "logprobs": self.logprobs(state.logprobs),
+            "finish_reason": state.finish_reason,
+        }
+
+    def first_deltas(self, num_choices: int) -> list[dict[str, Any]]:
+        role = {"role": "assistant", "content": ""}
+        return [
+            {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+            for i in range(num_choices)
+        ]
+
+    def deltas(self, state: ChoiceState, output) -> list[dict[str, Any]]:
+        deltas = []
+        if output.new_text or (self.with_logprobs and output.logprobs):
+            deltas.append(
+                {
+                    "index": state.index,
+                    "delta": {"content": output.new_text},
+                    "logprobs": self.logprobs(output.logprobs),
+                    "finish_reason": None,
+                }
+            )
+        if output.finished:
+            deltas.append(
+                {
+                    "index": state.index,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": output.finish_reason,
+                }
+            )
+        return deltas
+
+
+Format = CompletionFormat | ChatFormat
+
+
+def envelope(plan: Plan, fmt: Format, created: int, chunk: bool) -> dict[str, Any]:
+    object_name = fmt.object_name + (".chunk" if chunk else "")
+    if chunk and fmt.object_name == "text_completion":
+        object_name = "text_completion"
+    return {
+        "id": fmt.id_prefix + plan.request_id,
+        "object": object_name,
+        "created": created,
+        "model": plan.model,
+        "system_fingerprint": None,
+    }
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+def response_headers(tracker: Tracker) -> dict[str, str]:
+    headers = tracker.admission.headers()
+    headers["x-conveyor-priority"] = str(tracker.plan.priority)
+    return headers
+
+
+def stream_error_body() -> dict[str, Any]:
+    return {
+        "error": {
+            "message": "The server had an error while generating this response.",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }

@@ -1,0 +1,235 @@
+"""OpenAI-compatible routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE),
+`GET /v1/models`, `GET /v1/requests/{id}` and `GET /v1/openapi.json`.
+
+One HTTP request becomes a `Plan` (planning.py), is admitted (tracking.py), runs as
+`len(prompts) * n` engine requests whose outputs are merged (generation.py), and is rendered by
+a `CompletionFormat` or `ChatFormat` (rendering.py). Leaving the handler in any way (finished,
+client gone, error) closes the engine streams, which aborts what still runs, refunds the unused
+token reservation and writes the audit record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from gateway.appkeys import (
+    ENGINE_CLIENT,
+    PRINCIPAL,
+    RATE_LIMITER,
+    REQUEST_ID,
+)
+from gateway.audit.records import auditing_invalid_requests
+from gateway.audit.routes import RequestDetailOut, own_request
+from gateway.openai.generation import generate
+from gateway.openai.planning import Plan, check_model, plan_chat, plan_completion
+from gateway.openai.rendering import (
+    SSE_HEADERS,
+    ChatFormat,
+    ChoiceState,
+    CompletionFormat,
+    Format,
+    TokenText,
+    envelope,
+    response_headers,
+    sse,
+    stream_error_body,
+    usage_body,
+)
+from gateway.openai.responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    ModelCard,
+    ModelList,
+)
+from gateway.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    read_body,
+)
+from gateway.openai.tracking import Tracker, admitted
+from gateway.openapi import BEARER_KEY, Route, build_document
+from gateway.tenancy.admission import refusal_error, tenant_limits
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/v1"
+
+
+def openai_routes() -> list[Route]:
+    """Every `/v1` route, relative to `/v1`: the router and the document both read this table."""
+    return [
+        Route("POST", "/completions", create_completion, "Create a completion",
+              body=CompletionRequest, responses={200: Completion}, streams=Completion),
+        Route("POST", "/chat/completions", create_chat_completion, "Create a chat completion",
+              body=ChatCompletionRequest, responses={200: ChatCompletion},
+              streams=ChatCompletionChunk),
+        Route("GET", "/models", list_models, "List models", responses={200: ModelList}),
+        Route("GET", "/models/{model}", retrieve_model, "Retrieve a model",
+              responses={200: ModelCard}),
+        Route("GET", "/requests/{request_id}", own_request,
+              "One of your requests: its audit record, events and the explanation of its delays",
+              responses={200: RequestDetailOut}),
+    ]  # fmt: skip
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    for route in openai_routes():
+        router.add_route(route.method, PREFIX + route.path, route.handler)
+    router.add_get(PREFIX + "/openapi.json", openapi_document)
+
+
+@functools.cache
+def openai_document() -> dict[str, Any]:
+    return build_document("Conveyor OpenAI-compatible API", PREFIX, openai_routes(), BEARER_KEY)
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    return web.json_response(openai_document())
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    async with auditing_invalid_requests(request):
+        body = await read_body(request, CompletionRequest)
+        plan = await plan_completion(request, body)
+    fmt = CompletionFormat(
+        TokenText(request.app[ENGINE_CLIENT].tokenizer), body.logprobs is not None
+    )
+    return await run(request, plan, fmt, body)
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    async with auditing_invalid_requests(request):
+        body = await read_body(request, ChatCompletionRequest)
+        plan = await plan_chat(request, body)
+    fmt = ChatFormat(TokenText(request.app[ENGINE_CLIENT].tokenizer), body.logprobs)
+    return await run(request, plan, fmt, body)
+
+
+async def run(
+    request: web.Request, plan: Plan, fmt: Format, body: SamplingFields
+) -> web.StreamResponse:
+    engine = request.app[ENGINE_CLIENT]
+    async with admitted(request, plan) as tracker:
+        outputs = generate(engine, plan)
+        if body.stream:
+            return await stream_response(request, plan, fmt, tracker, outputs, body)
+        return await full_response(plan, fmt, tracker, outputs)
+
+
+async def full_response(
+    plan: Plan, fmt: Format, tracker: Tracker, outputs: AsyncIterator
+) -> web.Response:
+    choices = [ChoiceState(i) for i in range(plan.num_choices)]
+    num_cached = 0
+    async with contextlib.aclosing(outputs):
+        async for choice, output in outputs:
+            tracker.observe(choice, output)
+            choices[choice].add(output)
+            num_cached = max(num_cached, output.num_cached_tokens)
+    body = {
+        **envelope(plan, fmt, int(plan.received_at), chunk=False),
+        "choices": [fmt.choice(state) for state in choices],
+        "usage": usage_body(plan, choices, num_cached),
+    }
+    return web.json_response(body, headers=response_headers(tracker))
+
+
+async def stream_response(
+    request: web.Request,
+    plan: Plan,
+    fmt: Format,
+    tracker: Tracker,
+    outputs: AsyncIterator,
+    body: SamplingFields,
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers={**SSE_HEADERS, **response_headers(tracker)})
+    try:
+        await response.prepare(request)
+        await write_events(response, plan, fmt, tracker, outputs, body.include_usage())
+    except ConnectionResetError:  # the client left: closing the streams aborted the requests
+        tracker.status = "aborted"
+        return response
+    except Exception as error:  # headers are gone: report in-band, as OpenAI does
+        log.exception("stream of %s failed", plan.request_id)
+        tracker.status, tracker.error = "error", f"{type(error).__name__}: {error}"
+        await write_quietly(response, sse(stream_error_body()))
+    await write_quietly(response, sse("[DONE]"))
+    return response
+
+
+async def write_events(
+    response: web.StreamResponse,
+    plan: Plan,
+    fmt: Format,
+    tracker: Tracker,
+    outputs: AsyncIterator,
+    include_usage: bool,
+) -> None:
+    created = int(plan.received_at)
+    head = envelope(plan, fmt, created, chunk=True)
+    if include_usage:
+        head["usage"] = None
+    choices = [ChoiceState(i) for i in range(plan.num_choices)]
+    for delta in fmt.first_deltas(plan.num_choices):
+        await response.write(sse({**head, "choices": [delta]}))
+    num_cached = 0
+    async with contextlib.aclosing(outputs):
+        async for choice, output in outputs:
+            tracker.observe(choice, output)
+            choices[choice].add(output)
+            num_cached = max(num_cached, output.num_cached_tokens)
+            for delta in fmt.deltas(choices[choice], output):
+                await response.write(sse({**head, "choices": [delta]}))
+    if include_usage:
+        usage = usage_body(plan, choices, num_cached)
+        await response.write(sse({**head, "choices": [], "usage": usage}))
+
+
+async def write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    with contextlib.suppress(ConnectionResetError):
+        await response.write(data)
+
+
+# ---- models -----------------------------------------------------------------------------------
+def model_card(request: web.Request) -> dict[str, Any]:
+    info = request.app[ENGINE_CLIENT].info
+    return {
+        "id": info.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "conveyor",
+        "max_model_len": info.max_model_len,
+    }
+
+
+async def rate_limit_only(request: web.Request) -> dict[str, str]:
+    """Count a request that generates nothing against the tenant's request rate."""
+    principal, request_id = request[PRINCIPAL], request[REQUEST_ID]
+    limits = tenant_limits(principal.tenant)
+    limiter = request.app[RATE_LIMITER]
+    admission = await limiter.admit(limits, request_id, 0, 0)
+    if not admission.allowed:
+        raise refusal_error(admission)
+    await limiter.complete(limits, request_id, 0, 0)  # drops the lease and the reservation
+    return admission.headers()
+
+
+async def list_models(request: web.Request) -> web.Response:
+    headers = await rate_limit_only(request)
+    body = {"object": "list", "data": [model_card(request)]}
+    return web.json_response(body, headers=headers)
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    headers = await rate_limit_only(request)
+    model = request.match_info["model"]
+    check_model(request, model)
+    return web.json_response(model_card(request), headers=headers)
