@@ -103,12 +103,16 @@ class Sampler:
     def _sample_processed(self, logits, plan, params, indices, penalties) -> torch.Tensor:
         if penalties is not None:
             logits = apply_penalty_inputs(logits, penalties)
+        if any(group.covers_all for group in plan.random_groups):  # no greedy row
+            group = plan.random_groups[0]
+            settings = settings_of(params, group, self.vocab_size)
+            return self._race(prepare_candidates(logits, settings), group, indices)
         token_ids = argmax(logits)  # [num_seqs], right for the greedy rows
         for group in plan.random_groups:
             rows = indices[group.rows_key]
-            settings = settings_of(params[rows], group, self.vocab_size)
-            candidates = prepare_candidates(logits[rows], settings)
-            token_ids[rows] = self._race(candidates, group, indices)
+            settings = settings_of(params.index_select(0, rows), group, self.vocab_size)
+            candidates = prepare_candidates(logits.index_select(0, rows), settings)
+            token_ids.index_copy_(0, rows, self._race(candidates, group, indices))
         return token_ids
 
     def _race(self, candidates: Candidates, group: RandomGroup, indices) -> torch.Tensor:

@@ -46,6 +46,7 @@ class RandomGroup:
     """Rows that sample at random and share one candidate shape (all plain or all filtered)."""
 
     rows_key: str  # name of its [num_rows] index tensor (rows of the logits)
+    covers_all: bool  # every row of the batch, in order (no gather needed)
     unseeded_key: str  # name of its [num_unseeded] index tensor (rows within the group)
     num_unseeded: int
     seeded: list[tuple[int, str, int]]  # (row within the group, request id, seed)
@@ -107,6 +108,7 @@ def _random_group(name, params, rows, requests, plan: SamplingPlan) -> RandomGro
     cutting = top_ks > 0  # a cut past the vocab is treated as a cut: its candidates cover it
     return RandomGroup(
         rows_key=f"{name}_rows",
+        covers_all=len(rows) == len(params),
         unseeded_key=f"{name}_unseeded",
         num_unseeded=int(unseeded_rows.numel()),
         seeded=[(i, *_id_and_seed(requests[int(rows[i])])) for i in seeded_rows],
@@ -144,6 +146,7 @@ def filter_settings(params: torch.Tensor, vocab_size: int) -> FilterSettings:
     cutting = (top_ks > 0) & (top_ks < vocab_size)
     group = RandomGroup(
         rows_key="",
+        covers_all=True,
         unseeded_key="",
         num_unseeded=0,
         seeded=[],
