@@ -25,10 +25,12 @@ from runtime.sampling_ops import (
     keep_top_k_top_p,
     pack_logprobs,
     prepare_candidates,
+    top_k_top_p_candidates_of,
 )
 from runtime.sampling_plan import (
     RandomGroup,
     SamplingPlan,
+    filter_settings,
     param_rows,
     penalty_inputs_from_requests,
     plan_sampling,
@@ -36,7 +38,16 @@ from runtime.sampling_plan import (
 )
 from scheduler.request import Request, SamplingParams
 
-__all__ = ["CANDIDATE_STAGES", "Sampler", "SamplerOutput", "TokenLogprobs", "apply_penalties"]
+__all__ = [
+    "CANDIDATE_STAGES",
+    "Sampler",
+    "SamplerOutput",
+    "TokenLogprobs",
+    "apply_penalties",
+    "is_filtered",
+    "keep_top_k_top_p",
+    "top_k_top_p_candidates",
+]
 
 
 @dataclass
@@ -68,7 +79,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(requests), logits.shape
         device = logits.device
         params = param_rows([r.sampling_params for r in requests])  # [num_seqs, NUM_PARAMS]
-        plan = plan_sampling(params, [(r.request_id, r.sampling_params.seed) for r in requests])
+        plan = plan_sampling(params, requests)
         indices = {name: index.to(device) for name, index in plan.host_indices.items()}
         penalties = None
         if plan.has_penalties:
@@ -181,7 +192,7 @@ def unpack(host: torch.Tensor, plan: SamplingPlan) -> SamplerOutput:
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Repetition (prompt + output), then frequency and presence (output only); a new tensor."""
     params = param_rows([r.sampling_params for r in requests])
-    plan = plan_sampling(params, [(r.request_id, r.sampling_params.seed) for r in requests])
+    plan = plan_sampling(params, requests)
     if not plan.has_penalties:
         return logits
     indices = {name: index.to(logits.device) for name, index in plan.host_indices.items()}
@@ -191,11 +202,5 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
 
 def top_k_top_p_candidates(probs: torch.Tensor, all_params: list[SamplingParams]) -> Candidates:
     """Top-k then top-p over probs [num_rows, vocab], each row with its own params."""
-    from runtime.sampling_ops import top_k_top_p_candidates_of
-    from runtime.sampling_plan import filter_settings
-
     params = param_rows(all_params).to(probs.device)
     return top_k_top_p_candidates_of(probs, filter_settings(params, probs.shape[1]))
-
-
-__all__ += ["keep_top_k_top_p", "top_k_top_p_candidates", "is_filtered"]

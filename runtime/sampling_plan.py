@@ -67,9 +67,8 @@ class SamplingPlan:
     penalty_rows: list[int] = field(default_factory=list)
 
 
-def plan_sampling(params: torch.Tensor, requests: Sequence) -> SamplingPlan:
-    """params: [num_rows, NUM_PARAMS] host rows of the requests (or of objects with a
-    request_id and sampling_params.seed, or (request_id, seed) pairs) in sampling order."""
+def plan_sampling(params: torch.Tensor, requests: Sequence[Request]) -> SamplingPlan:
+    """params: [num_rows, NUM_PARAMS] host rows of the requests, in sampling order."""
     greedy = (params[:, TEMPERATURE] < 1e-5) | (params[:, TOP_K] == 1)
     penalised = (
         (params[:, PRESENCE] != 0) | (params[:, FREQUENCY] != 0) | (params[:, REPETITION] != 1)
@@ -111,7 +110,7 @@ def _random_group(name, params, rows, requests, plan: SamplingPlan) -> RandomGro
         covers_all=len(rows) == len(params),
         unseeded_key=f"{name}_unseeded",
         num_unseeded=int(unseeded_rows.numel()),
-        seeded=[(i, *_id_and_seed(requests[int(rows[i])])) for i in seeded_rows],
+        seeded=[(i, *_id_and_seed(requests[int(rows[i])])) for i in seeded_rows],  # few
         is_filtered=name == "filtered",
         max_cutting_top_k=int(top_ks[cutting].max()) if bool(cutting.any()) else 1,
         all_cut_by_top_k=bool(cutting.all()),
@@ -119,9 +118,7 @@ def _random_group(name, params, rows, requests, plan: SamplingPlan) -> RandomGro
     )
 
 
-def _id_and_seed(request) -> tuple[str, int]:
-    if isinstance(request, tuple):
-        return request
+def _id_and_seed(request: Request) -> tuple[str, int]:
     return request.request_id, request.sampling_params.seed
 
 
