@@ -38,7 +38,8 @@ class InputBatch:
         self, max_num_rows: int, max_model_len: int, max_blocks_per_seq: int, device
     ) -> None:
         self.max_model_len = max_model_len
-        self.token_ids = torch.zeros(max_num_rows, max_model_len, dtype=torch.int64)
+        # int32, as vLLM: [rows, max_model_len] is the one table that grows with the context
+        self.token_ids = torch.zeros(max_num_rows, max_model_len, dtype=torch.int32)
         self.block_table = torch.zeros(max_num_rows, max_blocks_per_seq, dtype=torch.int64)
         self.num_blocks = torch.zeros(max_num_rows, dtype=torch.int64)  # [max_num_rows]
         self.num_tokens = torch.zeros(max_num_rows, dtype=torch.int64)
@@ -104,7 +105,7 @@ class InputBatch:
             if start < request.num_prompt_tokens
             else (request.output_token_ids[start - request.num_prompt_tokens :])
         )
-        self.token_ids[row, start:num_tokens] = torch.tensor(new, dtype=torch.int64)
+        self.token_ids[row, start:num_tokens] = torch.tensor(new, dtype=torch.int32)
         state.num_tokens = num_tokens
         self.num_tokens[row] = num_tokens
 
@@ -142,7 +143,7 @@ class InputBatch:
         fits = positions < self.max_model_len
         if not bool(fits.all()):
             rows, positions, token_ids = rows[fits], positions[fits], token_ids[fits]
-        self.token_ids[rows, positions] = token_ids
+        self.token_ids[rows, positions] = token_ids.to(torch.int32)
         self.num_tokens[rows] = positions + 1
         for row in rows.tolist():
             self.row_state[row].num_tokens += 1
