@@ -10,7 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.flags import add_flags, model_values
-from scheduler.scheduler import POLICIES, PREEMPTION_MODES
+from scheduler.config import POLICIES, PREEMPTION_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -14,8 +14,9 @@ from runtime.model_loader import resolve_model, served_model_name
 from runtime.model_runner import ModelRunner
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.block_manager import BlockManager
+from scheduler.config import PreemptionCostModel, SchedulerConfig
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import PreemptionCostModel, Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from test_scheduler_priority import Clock, add, kinds, step
 
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
 
 
 def make(policy: str, max_seqs=3, window=1.0):
