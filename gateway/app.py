@@ -95,9 +95,7 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     redis = make_redis(settings.redis_url)
     app[REDIS] = redis
-    app[RATE_LIMITER] = RateLimiter(
-        redis, burst=settings.rate_limit_burst, on_error=settings.rate_limit_on_error
-    )
+    app[RATE_LIMITER] = RateLimiter(redis, on_error=settings.rate_limit_on_error)
     if not await app[RATE_LIMITER].load_scripts():
         log.warning(
             "Redis is unreachable at startup; rate limits are %s",

@@ -36,7 +36,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-auto-migrate", dest="auto_migrate", action="store_false")
     group.add_argument("--redis-url", help="default: in-process fakeredis")
     group.add_argument("--rate-limit-on-error", choices=["open", "closed"])
-    group.add_argument("--rate-limit-burst", type=int)
     group.add_argument("--key-hash-secret", help="HMAC secret for API keys")
     group.add_argument("--admin-tokens", help="comma-separated bearer tokens for /admin")
     group.add_argument("--max-body-bytes", type=int)

@@ -38,7 +38,6 @@ class ServeSettings(BaseSettings):
     auto_migrate: bool = True
     redis_url: str | None = None  # None: in-process fakeredis
     rate_limit_on_error: Literal["open", "closed"] = "open"
-    rate_limit_burst: int = Field(10, ge=0)
     key_hash_secret: str | None = None
     admin_tokens: Annotated[list[str], NoDecode] = Field(default_factory=list)
     create_demo_tenant: bool = True

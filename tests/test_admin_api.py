@@ -239,6 +239,11 @@ def test_tenant_crud(server):
     assert patched.body["default_priority"] == 3  # untouched
     assert admin(server, "PATCH", f"/tenants/{tenant_id}", {"max_priority": 9}).status == 400
     assert admin(server, "PATCH", f"/tenants/{tenant_id}", {"rpm": 0}).status == 400
+    assert tenant["burst"] == 0  # no extra unless set
+    with_burst = admin(server, "PATCH", f"/tenants/{tenant_id}", {"burst": 5})
+    assert with_burst.status == 200 and with_burst.body["burst"] == 5
+    for bad_burst in (-1, None, "many"):
+        assert admin(server, "PATCH", f"/tenants/{tenant_id}", {"burst": bad_burst}).status == 400
     assert admin(server, "DELETE", f"/tenants/{tenant_id}").status == 204
     assert admin(server, "GET", f"/tenants/{tenant_id}").status == 404
     assert admin(server, "GET", "/tenants/abc").status == 404
