@@ -36,6 +36,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-auto-migrate", dest="auto_migrate", action="store_false")
     group.add_argument("--redis-url", help="default: in-process fakeredis")
     group.add_argument("--rate-limit-on-error", choices=["open", "closed"])
+    group.add_argument(
+        "--auth-stale-for",
+        type=float,
+        metavar="SECONDS",
+        help="while the database is unreachable, keys valid at their last check keep working"
+        " this long (default 300; 0: refuse them with 503)",
+    )
     group.add_argument("--key-hash-secret", help="HMAC secret for API keys")
     group.add_argument("--admin-tokens", help="comma-separated bearer tokens for /admin")
     group.add_argument("--max-body-bytes", type=int)

@@ -38,6 +38,12 @@ class ServeSettings(BaseSettings):
     auto_migrate: bool = True
     redis_url: str | None = None  # None: in-process fakeredis
     rate_limit_on_error: Literal["open", "closed"] = "open"
+    auth_stale_for: float = Field(
+        300.0,
+        ge=0,
+        description="seconds a key valid at its last check keeps working while the database"
+        " is unreachable (0: refuse with 503 as soon as its cached answer expires)",
+    )
     key_hash_secret: str | None = None
     admin_tokens: Annotated[list[str], NoDecode] = Field(default_factory=list)
     create_demo_tenant: bool = True
