@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import pwd
 import shutil
 import subprocess
 import tempfile
@@ -39,7 +40,13 @@ from test_server_support import (
 )
 
 from gateway.db import make_async_engine, make_sessionmaker, upgrade
-from gateway.tenancy.keys import Authenticator, KeyHasher, create_key, new_plaintext_key
+from gateway.tenancy.keys import (
+    Authenticator,
+    KeyHasher,
+    create_key,
+    new_plaintext_key,
+    revoke_key,
+)
 from gateway.tenancy.tenants import TenantCreate, create_tenant
 
 DATABASE_DOWN = (SQLAlchemyError, OSError)  # what the caller turns into a 503
@@ -127,8 +134,6 @@ async def test_a_revocation_applies_as_soon_as_the_database_answers(cut_database
     assert await authenticator.authenticate(plaintext) is not None
     await proxy.cut()
     async with direct.begin() as session:  # revoked while this replica cannot see it
-        from gateway.tenancy.keys import revoke_key
-
         await revoke_key(session, key_id)
     clock.now += 3
     assert await authenticator.authenticate(plaintext) is not None  # the trade: last answer
@@ -148,6 +153,18 @@ def postgres_binary(name: str) -> str:
     return found[-1]
 
 
+def cluster_owner() -> str:
+    """Who runs the private cluster when the tests run as root."""
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        return "nobody"
+    return "postgres"
+
+
+CLUSTER_OWNER = cluster_owner()
+
+
 class PrivatePostgres:
     """A throwaway PostgreSQL cluster on a free port, owned by this test alone."""
 
@@ -156,7 +173,7 @@ class PrivatePostgres:
         self.data = self.root / "data"
         self.port = free_port()
         if os.geteuid() == 0:  # initdb refuses to run as root
-            shutil.chown(self.root, "postgres")
+            shutil.chown(self.root, CLUSTER_OWNER)
 
     @property
     def url(self) -> str:
@@ -164,7 +181,7 @@ class PrivatePostgres:
 
     def run(self, *command: str) -> None:
         if os.geteuid() == 0:
-            command = ("runuser", "-u", "postgres", "--", *command)
+            command = ("runuser", "-u", CLUSTER_OWNER, "--", *command)
         subprocess.run(command, check=True, capture_output=True, timeout=120, cwd=self.root)
 
     def init(self) -> PrivatePostgres:
@@ -181,8 +198,7 @@ class PrivatePostgres:
         self.run(postgres_binary("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
 
     def remove(self) -> None:
-        with_stop = (self.data / "postmaster.pid").exists()
-        if with_stop:
+        if (self.data / "postmaster.pid").exists():  # still running
             self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -230,15 +246,14 @@ async def steady_traffic(server, key: str, model: str, until: float) -> list[tup
 
 
 def revoke_directly(database_url: str, key: str) -> None:
-    from gateway.tenancy.keys import KeyHasher as Hasher
-
     with psycopg.connect(database_url, autocommit=True) as connection:
         connection.execute(
             "UPDATE api_keys SET revoked_at = now() WHERE key_hash = %s",
-            (Hasher(KEY_HASH_SECRET).hash(key),),
+            (KeyHasher(KEY_HASH_SECRET).hash(key),),
         )
 
 
+@pytest.mark.slow
 async def test_a_database_outage_is_not_a_serving_outage(
     outage_server, private_postgres, tiny_model_dir
 ):
