@@ -104,12 +104,15 @@ def register_tenants(subparsers, common: argparse.ArgumentParser) -> None:
 NULLABLE_FLAGS = ", ".join(limit.flag for limit in LIMIT_FIELDS if limit.nullable)
 
 
+DEFAULTED_FLAGS = ", ".join(limit.flag for limit in LIMIT_FIELDS if not limit.nullable)
+
+
 LIMITS_EPILOG = f"""\
 limits ({NULLABLE_FLAGS}):
   a positive integer, or `none` for no limit; on `update`, `--rpm none` removes the limit.
-  Unset limits on `create` are unlimited; --burst (extra requests on top of --rpm in any
-  60 s) is 0 unless given. Priorities: lower numbers are more urgent, so --max-priority
-  (the most urgent a request may ask for) must be <= --default-priority."""
+  Unset limits on `create` are unlimited; {DEFAULTED_FLAGS} take a number and default as their
+  help says. Priorities: lower numbers are more urgent, so --max-priority (the most urgent a
+  request may ask for) must be <= --default-priority."""
 
 
 def add_tenant_field_args(parser: argparse.ArgumentParser) -> None:
