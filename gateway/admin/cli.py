@@ -110,9 +110,10 @@ DEFAULTED_FLAGS = ", ".join(limit.flag for limit in LIMIT_FIELDS if not limit.nu
 LIMITS_EPILOG = f"""\
 limits ({NULLABLE_FLAGS}):
   a positive integer, or `none` for no limit; on `update`, `--rpm none` removes the limit.
-  Unset limits on `create` are unlimited. {DEFAULTED_FLAGS}: a number, never `none`; unset, its
-  default (see above). Priorities: lower numbers are more urgent, so --max-priority (the most urgent a
-  request may ask for) must be <= --default-priority."""
+  Unset limits on `create` are unlimited. {DEFAULTED_FLAGS}: a number, never `none`;
+  unset, its default (see above).
+  Priorities: lower numbers are more urgent, so --max-priority (the most urgent a request
+  may ask for) must be <= --default-priority."""
 
 
 def add_tenant_field_args(parser: argparse.ArgumentParser) -> None:
