@@ -2,8 +2,9 @@
 
 The runs live beside this file: offline.py (throughput against transformers), priority.py
 (latency under load, preemption, tenant fair share), serve.py (load over HTTP on any
-OpenAI-compatible server), overhead.py (what the HTTP path adds to TTFT) and gpu.py (Triton
-kernels against their references, on a CUDA machine).
+OpenAI-compatible server), overhead.py (what the HTTP path adds to TTFT), gpu.py (Triton
+kernels against their references, on a CUDA machine) and step.py (the host cost of a decode
+step on a near-zero model).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from runtime.config import EngineConfig
 
 def register_bench(bench_subparsers) -> None:
     """Adds every `conveyor bench <name>`."""
-    from benchmarks import gpu, overhead, serve
+    from benchmarks import gpu, overhead, serve, step
 
     register_offline(bench_subparsers)
     register_priority(bench_subparsers)
     serve.register(bench_subparsers)
     overhead.register(bench_subparsers)
     gpu.register(bench_subparsers)
+    step.register(bench_subparsers)
 
 
 def register_offline(sub) -> None:

@@ -8,7 +8,6 @@ import json
 import math
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +49,6 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
     """Random token ids, away from the special tokens at the start of the vocabulary."""
     low = min(256, vocab_size // 2)
     return [rng.randrange(low, vocab_size) for _ in range(length)]
-
-
-def measure_matmul_flops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    """Best FLOP/s of a large square torch.matmul in `dtype` on this machine's CPU threads."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    torch.matmul(a, b)  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
 
 
 def percentile(values: list[float], q: float) -> float | None:

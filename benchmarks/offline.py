@@ -1,7 +1,9 @@
-"""`conveyor bench offline`: one workload, one model, one dtype, one machine, four ways:
+"""`conveyor bench offline`: one workload, one model, one dtype, one machine, five ways:
 
   1. Conveyor continuous batching (the engine's default scheduler)
-  2. Conveyor static batching (`scheduling="static"`, same loaded engine, fresh scheduler)
+  2. Conveyor static batching (`scheduling="static"`, same loaded engine, fresh scheduler), then
+     dynamic batching (`scheduling="dynamic"`: a batch forms at max-num-seqs requests or after
+     --batch-window, then runs to completion)
   3. transformers `generate` in static batches with exactly Conveyor static's batch membership
      (left padding; each batch runs to its longest request; only asked-for tokens count)
   4. transformers continuous batching (`continuous_batching_context_manager`, per-request
@@ -14,98 +16,39 @@ from __future__ import annotations
 
 import argparse
 import platform
-import random
 import statistics
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from benchmarks.bound import DeviceRates, ModelCosts, StepBound, best_rates
 from benchmarks.common import (
     build_engine,
     format_table,
-    log_uniform_lengths,
-    measure_matmul_flops,
     progress,
-    random_prompt,
     ratio,
 )
-from scheduler.request import SamplingParams
+from benchmarks.peers import (
+    PeerUnavailable,
+    load_transformers_model,
+    run_transformers_continuous,
+    run_transformers_static,
+)
+from benchmarks.workload import (
+    SystemRun,
+    Workload,
+    benchmark_params,
+    file_workload,
+    synthetic_workload,
+)
 
 TARGETS = {
     "vs_transformers_static": 5.0,
     "vs_transformers_generate_batch": 3.0,
     "roofline_fraction": 0.25,
+    "physical_bound_share": 0.6,  # the GPU target (H100, 8B shape)
     "kv_waste_at_peak": 0.04,
 }
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-    source: str
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.prompts)
-
-    def summary(self) -> dict:
-        prompt_lens = [len(p) for p in self.prompts]
-        return {
-            "source": self.source,
-            "num_requests": self.num_requests,
-            "prompt_tokens": sum(prompt_lens),
-            "output_tokens": sum(self.output_lens),
-            "prompt_len_min_max": [min(prompt_lens), max(prompt_lens)],
-            "output_len_min_max": [min(self.output_lens), max(self.output_lens)],
-        }
-
-
-@dataclass
-class SystemRun:
-    name: str
-    seconds: float
-    output_tokens: int
-    details: dict = field(default_factory=dict)
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
-
-
-# ---- workload -------------------------------------------------------------------------------
-def synthetic_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    rng = random.Random(args.seed)
-    n = args.num_prompts
-    prompt_lens = log_uniform_lengths(rng, args.min_prompt_len, args.max_prompt_len, n)
-    output_lens = log_uniform_lengths(rng, args.min_output_len, args.max_output_len, n)
-    prompts = [random_prompt(rng, length, vocab_size) for length in prompt_lens]
-    source = (
-        f"synthetic seed={args.seed} prompt {args.min_prompt_len}-{args.max_prompt_len} "
-        f"output {args.min_output_len}-{args.max_output_len} log-uniform"
-    )
-    return Workload(prompts, output_lens, source)
-
-
-def file_workload(engine, path: str) -> Workload:
-    """The requests of a `conveyor generate` JSONL file; lines that cannot run are skipped."""
-    from runtime.offline import parse_line
-
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    items = [parse_line(engine, i, line) for i, line in enumerate(lines)]
-    for item in items:
-        if item.error:
-            progress(f"skipped: {item.error}")
-    good = [item for item in items if item.error is None]
-    prompts = [item.prompt_token_ids for item in good]
-    return Workload(prompts, [item.params.max_tokens for item in good], f"file {path}")
-
-
-def benchmark_params(max_tokens: int) -> SamplingParams:
-    """Greedy and ignore_eos, so every system produces exactly the asked-for tokens."""
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 # ---- KV-cache waste -------------------------------------------------------------------------
@@ -165,12 +108,15 @@ def run_conveyor(engine, workload: Workload, policy: str) -> tuple[SystemRun, li
         engine.add_request(prompt, benchmark_params(n), request_id=f"{policy}-{i}")
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens))
     ]
+    bound = StepBound(ModelCosts.of(engine.runner.model_config, engine.runner.dtype), requests)
     while engine.has_unfinished():
+        time.sleep(engine.seconds_until_runnable())  # dynamic batching waits for its batch
         step_start = time.perf_counter()
         engine.step()
         step_seconds.append(time.perf_counter() - step_start)
         tracker.observe(engine.scheduler.running)
-    seconds = time.perf_counter() - start - tracker.seconds
+        bound.observe_step()
+    seconds = time.perf_counter() - start - tracker.seconds - bound.bookkeeping_s
     output_tokens = sum(r.num_output_tokens for r in requests)
     assert output_tokens == sum(workload.output_lens), "a request stopped early"
     details = {
@@ -180,7 +126,7 @@ def run_conveyor(engine, workload: Workload, policy: str) -> tuple[SystemRun, li
         / max(len(step_seconds), 1),
         "num_preemptions": dict(engine.scheduler.num_preemptions),
     }
-    run = SystemRun(f"conveyor_{policy}", seconds, output_tokens, details)
+    run = SystemRun(f"conveyor_{policy}", seconds, output_tokens, details, bound)
     return run, requests, tracker
 
 
@@ -192,122 +138,30 @@ def static_batches(requests) -> list[list[int]]:
     return [groups[t] for t in sorted(groups)]
 
 
-# ---- transformers ---------------------------------------------------------------------------
-def load_transformers_model(model_dir: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, attn_implementation="sdpa"
-    )
-    return model.to("cpu").eval()
-
-
-def generate_padded(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int) -> None:
-    """One static batch through `generate`: left padding, greedy, exactly max_new_tokens each."""
-    from transformers import GenerationConfig
-
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    config = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,  # suppresses EOS: the ignore_eos of the other systems
-        pad_token_id=pad_id,
-    )
-    with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-    assert out.shape[1] == width + max_new_tokens, out.shape
-
-
-def run_transformers_static(model, workload: Workload, batches: list[list[int]]) -> SystemRun:
-    generate_padded(model, [workload.prompts[0][:8]], 2, pad_id=0)  # warm-up
-    start = time.perf_counter()
-    for number, batch in enumerate(batches):
-        prompts = [workload.prompts[i] for i in batch]
-        generate_padded(model, prompts, max(workload.output_lens[i] for i in batch), pad_id=0)
-        progress(f"  transformers static: batch {number + 1}/{len(batches)} done")
-    seconds = time.perf_counter() - start
-    details = {"batch_sizes": [len(b) for b in batches]}
-    return SystemRun("transformers_static", seconds, sum(workload.output_lens), details)
-
-
-def run_transformers_continuous(model, workload: Workload, engine) -> SystemRun:
-    """transformers' own continuous batching, one add_request per request (its max_new_tokens),
-    a paged KV cache of the same bytes as Conveyor's, the same token budget and slot cap."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    gen_config = GenerationConfig(
-        do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1, pad_token_id=0
-    )
-    cb_config = ContinuousBatchingConfig(
-        num_blocks=hf_num_blocks(engine, ContinuousBatchingConfig.page_size),
-        max_batch_tokens=engine.config.max_batch_tokens,
-        max_requests_per_batch=engine.config.max_num_seqs,
-    )
-    with model.continuous_batching_context_manager(
-        generation_config=gen_config, continuous_batching_config=cb_config, timeout=60
-    ) as manager:
-        start = time.perf_counter()
-        ids = [
-            manager.add_request(prompt, max_new_tokens=n, eos_token_id=-1)
-            for prompt, n in zip(workload.prompts, workload.output_lens)
-        ]
-        results = collect_results(manager, set(ids))
-        seconds = time.perf_counter() - start
-    output_tokens = sum(len(results[i].generated_tokens) for i in ids)
-    assert output_tokens == sum(workload.output_lens), "generate_batch stopped a request early"
-    details = {"page_size": cb_config.page_size, "num_blocks": cb_config.num_blocks}
-    return SystemRun("transformers_generate_batch", seconds, output_tokens, details)
-
-
-def hf_num_blocks(engine, page_size: int) -> int:
-    mc = engine.runner.model_config
-    bytes_per_token = (
-        2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * engine.runner.dtype.itemsize
-    )
-    return max(1, engine.runner.kv_cache.gpu.nbytes // (page_size * bytes_per_token))
-
-
-def collect_results(manager, pending: set[str]) -> dict:
-    results = {}
-    while pending:
-        result = manager.get_result(timeout=1)
-        if result is None:
-            if not manager.is_running():
-                raise RuntimeError("transformers' continuous batching thread stopped")
-            continue
-        if result.is_finished() and result.request_id in pending:
-            if result.error is not None:
-                raise RuntimeError(f"transformers request failed: {result.error}")
-            results[result.request_id] = result
-            pending.discard(result.request_id)
-    return results
-
-
 # ---- the benchmark --------------------------------------------------------------------------
 def run_offline_bench(args: argparse.Namespace) -> dict:
     engine = build_engine(args)
-    dtype = engine.runner.dtype
     vocab_size = engine.runner.model_config.vocab_size
     workload = (
         file_workload(engine, args.input) if args.input else synthetic_workload(args, vocab_size)
     )
     progress(f"workload: {workload.summary()}")
-    matmul_samples = [sample_matmul_flops(dtype)]
+    rates = [sample_rates(engine)]
     runs, kv = run_conveyor_systems(engine, workload)
-    matmul_samples.append(sample_matmul_flops(dtype))
-    rounds = []
+    rates.append(sample_rates(engine))
+    rounds, unavailable = [], {}
     if not args.skip_transformers:
-        model = load_transformers_model(engine.model_dir, engine.runner.dtype)
-        runs += run_transformers_systems(model, engine, workload, runs[1].details["batches"])
-        matmul_samples.append(sample_matmul_flops(dtype))
-        rounds = run_paired_rounds(engine, model, workload, (runs[0], runs[3]), args.rounds)
-    return build_result(args, engine, workload, runs, kv, matmul_samples, rounds)
+        model = load_transformers_model(engine.model_dir, engine.runner.dtype, engine.runner.device)
+        batches = runs[1].details["batches"]
+        runs += run_transformers_systems(model, engine, workload, batches, unavailable)
+        rates.append(sample_rates(engine))
+        by_name = {run.name: run for run in runs}
+        if "transformers_generate_batch" in by_name:
+            first = (by_name["conveyor_continuous"], by_name["transformers_generate_batch"])
+            rounds = run_paired_rounds(engine, model, workload, first, args.rounds)
+    result = build_result(args, engine, workload, runs, kv, rates, rounds)
+    result["unavailable"] = unavailable
+    return result
 
 
 def run_paired_rounds(engine, model, workload: Workload, first, num_rounds: int) -> list[dict]:
@@ -334,12 +188,15 @@ def run_paired_rounds(engine, model, workload: Workload, first, num_rounds: int)
     ]
 
 
-def sample_matmul_flops(dtype: torch.dtype) -> float:
-    """Sampled before, between and after the runs: the best sample is the machine's rate (a
-    sample slowed by other load would flatter the roofline fraction)."""
-    flops = measure_matmul_flops(dtype)
-    progress(f"matmul: {flops / 1e9:.0f} GFLOP/s in {dtype}")
-    return flops
+def sample_rates(engine) -> DeviceRates:
+    """Copy bandwidth and matmul rate on the engine's device, sampled before, between and after
+    the runs (the bound uses the best of each)."""
+    rates = DeviceRates.measure(engine.runner.device, engine.runner.dtype)
+    progress(
+        f"device rates: copy {rates.copy_bytes_per_s / 1e9:.0f} GB/s, "
+        f"matmul {rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s in {engine.runner.dtype}"
+    )
+    return rates
 
 
 def run_conveyor_systems(engine, workload: Workload) -> tuple[list[SystemRun], KVWasteTracker]:
@@ -352,24 +209,36 @@ def run_conveyor_systems(engine, workload: Workload) -> tuple[list[SystemRun], K
     static.details["batches"] = static_batches(requests)
     static.details["batch_sizes"] = [len(b) for b in static.details["batches"]]
     progress(f"  {static.output_tokens_per_s:.1f} output tok/s")
+    progress("conveyor dynamic ...")
+    dynamic, requests, _ = run_conveyor(engine, workload, "dynamic")
+    dynamic.details["batch_sizes"] = [len(b) for b in static_batches(requests)]
+    progress(f"  {dynamic.output_tokens_per_s:.1f} output tok/s")
     engine.reset_scheduler(policy=engine.config.scheduling)
-    return [continuous, static], kv
+    return [continuous, static, dynamic], kv
 
 
-def run_transformers_systems(model, engine, workload: Workload, batches) -> list[SystemRun]:
+def run_transformers_systems(
+    model, engine, workload: Workload, batches, unavailable: dict[str, str]
+) -> list[SystemRun]:
     progress("transformers generate, static batches ...")
     static = run_transformers_static(model, workload, batches)
     progress(f"  {static.output_tokens_per_s:.1f} output tok/s")
     progress("transformers generate_batch (continuous) ...")
-    continuous = run_transformers_continuous(model, workload, engine)
+    try:
+        continuous = run_transformers_continuous(model, workload, engine)
+    except PeerUnavailable as error:
+        progress(f"  cannot run here: {error}")
+        unavailable["transformers_generate_batch"] = str(error)
+        return [static]
     progress(f"  {continuous.output_tokens_per_s:.1f} output tok/s")
     return [static, continuous]
 
 
 def build_result(
-    args, engine, workload, runs, kv: KVWasteTracker, matmul_samples, rounds: list[dict]
+    args, engine, workload, runs, kv: KVWasteTracker, rate_samples, rounds: list[dict]
 ) -> dict:
-    matmul_flops = max(matmul_samples)
+    rates = best_rates(rate_samples)
+    matmul_flops = rates.matmul_flops_per_s
     by_name = {run.name: run for run in runs}
     conveyor = by_name["conveyor_continuous"].output_tokens_per_s
     flops_per_token = 2 * engine.runner.model_config.num_parameters
@@ -382,12 +251,15 @@ def build_result(
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "machine": machine_facts(engine),
         "workload": workload.summary(),
-        "systems": {run.name: system_entry(run, conveyor) for run in runs},
+        "systems": {run.name: system_entry(run, conveyor, rates) for run in runs},
+        "physical_bound": by_name["conveyor_continuous"].bound.summary(
+            rates, by_name["conveyor_continuous"].seconds
+        ),
         "roofline": {
             "num_parameters": engine.runner.model_config.num_parameters,
             "flops_per_output_token": flops_per_token,
             "matmul_flops_per_s": matmul_flops,
-            "matmul_flops_per_s_samples": matmul_samples,
+            "matmul_flops_per_s_samples": [r.matmul_flops_per_s for r in rate_samples],
             "roofline_output_tokens_per_s": matmul_flops / flops_per_token,
             "fraction": conveyor * flops_per_token / matmul_flops,
             "fraction_counting_prompt_tokens": all_tokens_per_s * flops_per_token / matmul_flops,
@@ -399,14 +271,17 @@ def build_result(
     return result
 
 
-def system_entry(run: SystemRun, conveyor_tokens_per_s: float) -> dict:
-    return {
+def system_entry(run: SystemRun, conveyor_tokens_per_s: float, rates: DeviceRates) -> dict:
+    entry = {
         "seconds": run.seconds,
         "output_tokens": run.output_tokens,
         "output_tokens_per_s": run.output_tokens_per_s,
         "conveyor_continuous_speedup": ratio(conveyor_tokens_per_s, run.output_tokens_per_s),
         **run.details,
     }
+    if run.bound is not None:
+        entry["physical_bound_share"] = run.bound.seconds(rates) / run.seconds
+    return entry
 
 
 def machine_facts(engine) -> dict:
@@ -432,6 +307,7 @@ def check_targets(result: dict) -> dict:
         "vs_transformers_static": speedup("transformers_static"),
         "vs_transformers_generate_batch": statistics.median(rounds) if rounds else None,
         "roofline_fraction": result["roofline"]["fraction"],
+        "physical_bound_share": result["physical_bound"]["share"],
         "kv_waste_at_peak": result["kv_cache"]["waste_at_peak"],
     }
     met = {
@@ -466,11 +342,20 @@ def print_offline_report(result: dict) -> None:
         f"{100 * roof['fraction']:.1f}% ({100 * roof['fraction_counting_prompt_tokens']:.1f}% "
         "counting prompt tokens too)"
     )
+    bound = result["physical_bound"]
+    print(
+        f"physical bound: {bound['bound_seconds']:.2f} s over {bound['num_steps']} steps "
+        f"(copy {bound['copy_bytes_per_s'] / 1e9:.0f} GB/s, matmul "
+        f"{bound['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s); Conveyor continuous took "
+        f"{bound['measured_seconds']:.2f} s = {100 * bound['share']:.1f}% of the hardware's speed"
+    )
     print(
         f"KV cache: waste at peak {100 * kv['waste_at_peak']:.2f}% "
         f"({kv['peak_allocated_blocks']} of {kv['num_gpu_blocks']} blocks), "
         f"mean {100 * kv['mean_waste']:.2f}%"
     )
+    for name, reason in result.get("unavailable", {}).items():
+        print(f"{name}: cannot run here: {reason}")
     for number, entry in enumerate(result["paired_rounds"], start=1):
         print(
             f"round {number}: conveyor continuous {entry['conveyor_continuous']:.1f} vs "

@@ -146,7 +146,8 @@ async def create_bench_tenant(database_url: str, secret: str) -> str:
 
 
 def server_flags(args, config, database_url: str, secret: str) -> list[str]:
-    flags = ["--database-url", database_url, "--key-hash-secret", secret, "--no-demo-tenant"]
+    # `--flag=value`: a secret may start with "-", which argparse would take for a flag
+    flags = [f"--database-url={database_url}", f"--key-hash-secret={secret}", "--no-demo-tenant"]
     if args.redis_url:
         flags += ["--redis-url", args.redis_url]
     return flags + engine_flags(config)
@@ -166,7 +167,7 @@ def engine_flags(config) -> list[str]:
         if action.nargs == 0:  # a switch (store_true / store_false): given when it applies
             flags += [action.option_strings[0]] if value == action.const else []
         else:
-            flags += [action.option_strings[0], str(value)]
+            flags.append(f"{action.option_strings[0]}={value}")
     return flags
 
 

@@ -59,10 +59,6 @@ def async_url(url: str | URL) -> URL:
     return parsed.set(drivername=_ASYNC_DRIVERS[parsed.drivername])
 
 
-def is_sqlite(url: str | URL) -> bool:
-    return parse_database_url(url).drivername == "sqlite"
-
-
 def _sqlite_file(url: URL) -> Path | None:
     database = url.database
     if not database or database == ":memory:" or database.startswith("file:"):

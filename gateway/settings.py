@@ -1,12 +1,11 @@
 """`conveyor serve` settings: every flag is also a `CONVEYOR_*` environment variable.
 
-Precedence: command-line flag, then environment variable, then the default here. The engine
-flags mirror `runtime.config.EngineConfig` field for field (same names, same defaults).
+Precedence: command-line flag, then environment variable, then the default. The engine's
+settings are `runtime.config.EngineConfig`'s fields, inherited, not retyped.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -19,56 +18,56 @@ DEFAULT_DATABASE_URL = "sqlite:///conveyor.db"
 DEV_KEY_HASH_SECRET = "conveyor-dev-secret-change-me"
 
 
-class ServeSettings(BaseSettings):
+class ServeSettings(EngineConfig, BaseSettings):
+    """The engine's settings (inherited from `EngineConfig`, declared there once) and the
+    server's own; `conveyor serve`'s flags are generated from these fields."""
+
     model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
 
     # ---- HTTP --------------------------------------------------------------------------------
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535)
-    max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
     drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests may finish")
     max_waiting_requests: int = Field(
         1024, ge=0, description="sequences allowed to wait beyond --max-num-seqs before 503"
     )
     log_level: Literal["debug", "info", "warning", "error", "critical"] | None = Field(
-        None, description="None: the level of `conveyor --log-level` (WARNING by default)"
+        None,
+        description="default: the level of `conveyor --log-level` (WARNING by default)",
+        json_schema_extra={"lowercase": True},
     )
     # ---- state -------------------------------------------------------------------------------
-    database_url: str = DEFAULT_DATABASE_URL
-    auto_migrate: bool = True
-    redis_url: str | None = None  # None: in-process fakeredis
-    rate_limit_on_error: Literal["open", "closed"] = "open"
+    database_url: str = Field(DEFAULT_DATABASE_URL, description="SQLite or PostgreSQL URL")
+    auto_migrate: bool = Field(True, description="upgrade the database schema at start")
+    redis_url: str | None = Field(None, description="default: in-process fakeredis")
+    rate_limit_on_error: Literal["open", "closed"] = Field(
+        "open", description="Redis unreachable: serve without limits (open) or answer 503"
+    )
     auth_stale_for: float = Field(
         300.0,
         ge=0,
-        description="seconds a key valid at its last check keeps working while the database"
-        " is unreachable (0: refuse with 503 as soon as its cached answer expires)",
+        description="while the database is unreachable, keys valid at their last check keep"
+        " working this long (default 300; 0: refuse them with 503 once their cached answer"
+        " expires)",
+        json_schema_extra={"metavar": "SECONDS"},
     )
-    key_hash_secret: str | None = None
-    admin_tokens: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    create_demo_tenant: bool = True
-    audit_spool_path: str = "conveyor-audit.spool"  # audit records wait here while the DB is down
+    key_hash_secret: str | None = Field(None, description="HMAC secret for API keys")
+    admin_tokens: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="comma-separated bearer tokens for /admin"
+    )
+    create_demo_tenant: bool = Field(
+        True,
+        description="create a demo tenant and key on a first start",
+        json_schema_extra={"flag": "--no-demo-tenant"},
+    )
+    audit_spool_path: str = Field(
+        "conveyor-audit.spool", description="audit records wait here while the database is down"
+    )
     audit: bool = Field(True, description="write the audit log (--no-audit: off, to benchmark)")
     audit_retention_days: float | None = Field(
-        None, gt=0, description="prune audit records older than this (None: keep them all)"
+        None, gt=0, description="prune audit records older than this (default: keep them all)"
     )
-    # ---- engine (runtime.config.EngineConfig) ------------------------------------------------
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: str = "2GiB"
-    swap_space: float = 1.0
-    max_num_seqs: int = 256
-    max_batch_tokens: int = 2048
-    max_model_len: int | None = None
-    scheduling: Literal["priority", "fcfs", "static"] = "priority"
-    preemption_mode: Literal["auto", "swap", "recompute"] = "auto"
-    priority_aging: float | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    seed: int = 0
 
     @field_validator("admin_tokens", mode="before")
     @classmethod
@@ -90,7 +89,7 @@ class ServeSettings(BaseSettings):
         return value.lower() if isinstance(value, str) else value
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
+        return EngineConfig(**{name: getattr(self, name) for name in EngineConfig.model_fields})
 
     @property
     def effective_key_hash_secret(self) -> str:

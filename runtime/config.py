@@ -1,11 +1,16 @@
-"""Engine settings: the flags shared by `conveyor generate`, `bench` and `serve`."""
+"""Engine settings: one model behind the flags of `conveyor generate`, `bench` and `serve` and
+the `CONVEYOR_*` variables of `serve`."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.flags import add_flags, model_values
+from scheduler.config import POLICIES, PREEMPTION_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,24 +24,59 @@ def cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-@dataclass
-class EngineConfig:
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: str = "2GiB"
-    swap_space: float = 1.0  # GiB of CPU swap pool
-    max_num_seqs: int = 256
-    max_batch_tokens: int = 2048
-    max_model_len: int | None = None
-    scheduling: str = "priority"
-    preemption_mode: str = "auto"
-    priority_aging: float | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # CUDA: no decode graphs
-    seed: int = 0
+class EngineConfig(BaseModel):
+    """Every engine setting, declared once: `conveyor generate`, `bench` and `serve` take them as
+    flags (`runtime.flags`), `serve` also as `CONVEYOR_*` variables (`gateway.settings`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(
+        None, description="HF model dir or .gguf (default: SmolLM2-135M-Instruct)"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA and on CPUs with avx512_bf16, else float32"
+    )
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto | cpu | cuda | cuda:N"
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV blocks on the device (default: from --kv-cache-memory)"
+    )
+    kv_cache_memory: str = Field(
+        "2GiB",
+        pattern=r"^[0-9]+(\.[0-9]+)?\s*([KMGT]i?B?|[kmgt]i?b?)?$",
+        description="bytes or e.g. 2GiB",
+    )
+    swap_space: float = Field(1.0, ge=0, description="GiB of CPU swap pool")
+    max_num_seqs: int = Field(256, ge=1, description="running sequences at most")
+    max_batch_tokens: int = Field(2048, ge=1, description="tokens per step at most")
+    max_model_len: int | None = Field(
+        None, ge=1, description="context length (default: the model's)"
+    )
+    scheduling: Literal[POLICIES] = Field(
+        "priority",
+        description="priority/fcfs: continuous batching; static: a batch runs to completion; "
+        "dynamic: as static, but a batch waits up to --batch-window for max-num-seqs requests",
+    )
+    batch_window: float = Field(
+        0.05,
+        ge=0,
+        description="dynamic batching: seconds the oldest waiting request waits for a batch",
+        json_schema_extra={"metavar": "SECONDS"},
+    )
+    preemption_mode: Literal[PREEMPTION_MODES] = Field(
+        "auto", description="auto: the cost model picks swap or recompute per victim"
+    )
+    priority_aging: float | None = Field(
+        None,
+        gt=0,
+        description="seconds after which a waiting request gains urgency",
+        json_schema_extra={"metavar": "SECONDS"},
+    )
+    enable_prefix_caching: bool = Field(True, json_schema_extra={"flag": "--no-prefix-caching"})
+    enforce_eager: bool = Field(False, description="CUDA: run decode without graphs")
+    seed: int = Field(0, description="seeds the sampler of requests without their own seed")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -45,8 +85,6 @@ class EngineConfig:
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype != "auto":
-            if self.dtype not in DTYPES:
-                raise ValueError(f"--dtype must be one of {sorted(DTYPES)} or auto")
             return DTYPES[self.dtype]
         device = self.resolved_device()
         if device.type == "cuda" or cpu_supports_bf16():
@@ -55,34 +93,8 @@ class EngineConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("engine")
-        group.add_argument(
-            "--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)"
-        )
-        group.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-        group.add_argument("--device", default="auto")
-        group.add_argument("--block-size", type=int, default=16)
-        group.add_argument("--num-kv-blocks", type=int, default=None)
-        group.add_argument("--kv-cache-memory", default="2GiB", help="bytes or e.g. 2GiB")
-        group.add_argument("--swap-space", type=float, default=1.0, help="GiB of CPU swap pool")
-        group.add_argument("--max-num-seqs", type=int, default=256)
-        group.add_argument("--max-batch-tokens", type=int, default=2048)
-        group.add_argument("--max-model-len", type=int, default=None)
-        group.add_argument(
-            "--scheduling", default="priority", choices=["priority", "fcfs", "static"]
-        )
-        group.add_argument(
-            "--preemption-mode", default="auto", choices=["auto", "swap", "recompute"]
-        )
-        group.add_argument("--priority-aging", type=float, default=None, metavar="SECONDS")
-        group.add_argument(
-            "--no-prefix-caching", dest="enable_prefix_caching", action="store_false"
-        )
-        group.add_argument(
-            "--enforce-eager", action="store_true", help="CUDA: run decode without graphs"
-        )
-        group.add_argument("--seed", type=int, default=0)
+        add_flags(parser.add_argument_group("engine"), cls)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        return cls(**model_values(cls, args))

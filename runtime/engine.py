@@ -14,8 +14,9 @@ from runtime.model_loader import resolve_model, served_model_name
 from runtime.model_runner import ModelRunner
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.block_manager import BlockManager
+from scheduler.config import PreemptionCostModel, SchedulerConfig
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import PreemptionCostModel, Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Engine:
             policy=c.scheduling,
             preemption_mode=c.preemption_mode,
             priority_aging_s=c.priority_aging,
+            batch_window_s=c.batch_window,
         )
 
     def _measure_costs(self) -> PreemptionCostModel:
@@ -171,6 +173,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def seconds_until_runnable(self) -> float:
+        """How long a step would do nothing (dynamic batching waiting for its batch)."""
+        return self.scheduler.seconds_until_runnable()
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

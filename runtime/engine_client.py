@@ -257,8 +257,11 @@ class EngineClient:
         while not self._stopping:
             self._apply_commands()
             if not self._engine.has_unfinished():
-                self._wakeup.wait(timeout=IDLE_WAIT_S)
-                self._wakeup.clear()
+                self._sleep(IDLE_WAIT_S)
+                continue
+            delay = self._engine.seconds_until_runnable()
+            if delay > 0:
+                self._sleep(delay)
                 continue
             start = time.perf_counter()
             try:
@@ -271,6 +274,11 @@ class EngineClient:
             for output in outputs:
                 self._deliver(output)
         self._apply_commands()  # answer snapshots still waiting
+
+    def _sleep(self, timeout_s: float) -> None:
+        """Until a command arrives or the timeout passes."""
+        self._wakeup.wait(timeout=timeout_s)
+        self._wakeup.clear()
 
     def _apply_commands(self) -> None:
         while True:

@@ -10,23 +10,26 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from runtime.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from runtime.attention import AttentionBackend, ForwardContext
 from runtime.config import EngineConfig
+from runtime.input_batch import InputBatch
 from runtime.kv_cache import KVCache, parse_bytes
 from runtime.models.config import ModelConfig, rope_cos_sin_cache
 from runtime.models.llama import LlamaForCausalLM, can_pack
-from runtime.sampler import Sampler, SamplerOutput
+from runtime.sampler import Sampler, unpack
+from runtime.sampling_plan import penalty_inputs
+from runtime.staging import PendingCopy, StagingBuffer, copy_to_host
+from runtime.step_inputs import HostStep, StepInputs, device_step, prepare_host_step
 from scheduler.request import Request
 from scheduler.scheduler import SchedulerOutput
 
 
 @dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    attn: AttentionMetadata
-    sample_rows: list[int]  # row of each sampling request's last token in the flat batch
-    sample_requests: list[Request]
+class LaunchedStep:
+    """A step whose device work is queued; `collect` waits for its sampled ids."""
+
+    host: HostStep | None
+    sampled: PendingCopy | None  # ids [num_samples], or packed ids and logprobs, on their way
 
 
 def load_model(model_dir: Path, config: ModelConfig, dtype, device, backend) -> LlamaForCausalLM:
@@ -60,16 +63,28 @@ class ModelRunner:
         self.model = load_model(model_dir, self.model_config, self.dtype, self.device, self.backend)
         self.kv_cache = self._allocate_kv_cache(config)
         self.sampler = Sampler(self.model_config.vocab_size)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.input_batch = InputBatch(
+            config.max_num_seqs + 4,  # + 4: rows for the start-up's throw-away requests
+            self.max_model_len,
+            min(-(-self.max_model_len // self.block_size), self.num_gpu_blocks),
+            self.device,
+        )
+        self.staging = StagingBuffer(self.device)
         self.decode_graphs = self._capture_graphs(config) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            self.warm_up()  # Triton compiles on first use: not on the first request's time
 
     def _capture_graphs(self, config: EngineConfig):
         if config.enforce_eager:
             return None
         from runtime.cuda_graphs import DecodeGraphs
 
-        max_len = config.max_model_len or self.model_config.max_position_embeddings
         graphs = DecodeGraphs(
-            self.model, self.kv_cache, min(config.max_num_seqs, 512), -(-max_len // self.block_size)
+            self.model,
+            self.kv_cache,
+            min(config.max_num_seqs, 512),
+            self.input_batch.device_block_table.shape[1],
         )
         graphs.capture()
         return graphs
@@ -112,23 +127,47 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, object]]:
         """Returns {request_id: (sampled token, logprobs or None)} for requests that sample."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Swap blocks, stage the inputs (one copy), queue the forward pass and the sampling,
+        and start the copy of the sampled ids back; returns without waiting for the device."""
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         if out.is_empty:
-            return {}
-        inputs = self.prepare_inputs(out.scheduled)
+            return LaunchedStep(None, None)
+        host = prepare_host_step(self.input_batch, out.scheduled, self.block_size)
+        inputs = device_step(self.input_batch, host, self.staging.stage(host.parts))
         self.backend.prepare(inputs.attn)
-        hidden = self._forward(inputs)
-        if not inputs.sample_requests:
+        hidden = self._forward(inputs)  # [num_tokens, hidden]
+        if not host.sample_requests:
+            return LaunchedStep(host, None)
+        logits = self.model.compute_logits(hidden[inputs.sample_index])  # only rows that sample
+        return LaunchedStep(host, copy_to_host(self._sample(logits, host, inputs)))
+
+    def _sample(self, logits: torch.Tensor, host: HostStep, inputs: StepInputs) -> torch.Tensor:
+        staged, plan = inputs.staged, host.sampling
+        indices = {name[2:]: t for name, t in staged.items() if name.startswith("s_")}
+        params = self.input_batch.device_params[inputs.sample_rows]  # [num_samples, NUM_PARAMS]
+        penalties = None
+        if plan.has_penalties:
+            penalties = penalty_inputs(
+                params, indices["penalty_rows"], indices["prompt_ids"], indices["output_ids"]
+            )
+        return self.sampler.sample_on_device(logits, plan, params, indices, penalties)
+
+    def collect(self, step: LaunchedStep) -> dict[str, tuple[int, object]]:
+        """Wait for a launched step's sampled ids (the step's one copy back) and hand them out."""
+        if step.sampled is None:
             return {}
-        rows = torch.tensor(inputs.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        sampled: SamplerOutput = self.sampler.sample(logits, inputs.sample_requests)
+        host, result = step.host, step.sampled.result()
+        sampled = unpack(result, host.sampling)
+        token_ids = result if result.dtype == torch.int64 else result[:, 0].long()
+        self.input_batch.record_sampled(host.sample_rows, host.sample_positions, token_ids)
         return {
             r.request_id: (token, logprobs)
-            for r, token, logprobs in zip(
-                inputs.sample_requests, sampled.token_ids, sampled.logprobs
-            )
+            for r, token, logprobs in zip(host.sample_requests, sampled.token_ids, sampled.logprobs)
         }
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -138,66 +177,32 @@ class ModelRunner:
         ctx = ForwardContext(inputs.attn, self.kv_cache.k_caches, self.kv_cache.v_caches)
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
-    def prepare_inputs(self, scheduled: list[tuple[Request, int]]) -> StepInputs:
-        decodes = [
-            (r, n) for r, n in scheduled if n == 1 and r.num_computed_tokens == r.num_tokens - 1
-        ]
-        decodes.sort(key=lambda item: item[0].num_computed_tokens)  # similar lengths side by side
-        decode_ids = {id(r) for r, _ in decodes}
-        prefills = [(r, n) for r, n in scheduled if id(r) not in decode_ids]
-        input_ids, positions, slots, sample_rows, sample_requests = [], [], [], [], []
-        for request, num_new in decodes + prefills:
-            start = request.num_computed_tokens
-            end = start + num_new
-            input_ids.extend(
-                request.all_token_ids[start:end] if num_new > 1 else [_token_at(request, start)]
-            )
-            positions.extend(range(start, end))
-            slots.extend(self._slots(request.block_ids, start, end))
-            if end == request.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sample_requests.append(request)
-        attn = self._attention_metadata(decodes, prefills, slots)
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            attn=attn,
-            sample_rows=sample_rows,
-            sample_requests=sample_requests,
-        )
+    # ---- start-up ------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Run every kernel variant a step can need once, on throw-away requests: a mixed step
+        with a short decode (one decode partition), a long decode (split-K) and a prefill chunk,
+        then a decode-only step (graph replay, or the eager decode path)."""
+        short = _warm_up_request("__warmup_short__", 8, decoding=True)
+        long = _warm_up_request("__warmup_long__", 4 * 256 + 8, decoding=True)
+        prefill = _warm_up_request("__warmup_prefill__", 40, decoding=False)
+        batch = [(short, 1), (long, 1), (prefill, 40)]
+        if not self._assign_warm_up_blocks(batch):
+            batch = [(short, 1), (prefill, 40)]  # a small cache: no long decode
+            if not self._assign_warm_up_blocks(batch):
+                return
+        self.execute(SchedulerOutput(scheduled=batch))
+        self.execute(SchedulerOutput(scheduled=[(short, 1)]))
+        for request, _ in batch:
+            self.sampler.release(request.request_id)
+            self.input_batch.remove(request.request_id)
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _attention_metadata(self, decodes, prefills, slots) -> AttentionMetadata:
-        decode_tables, decode_lens = self._block_tables(decodes)
-        prefill_tables, prefill_lens = self._block_tables(prefills)
-        query_start_loc = [0]
-        for _, num_new in prefills:
-            query_start_loc.append(query_start_loc[-1] + num_new)
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_seq_lens=decode_lens,
-            prefill_block_tables=prefill_tables,
-            prefill_query_start_loc=torch.tensor(
-                query_start_loc, dtype=torch.int32, device=self.device
-            ),
-            prefill_seq_lens=prefill_lens,
-        )
-
-    def _block_tables(self, batch: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        seq_lens = [r.num_computed_tokens + n for r, n in batch]
-        max_blocks = max((len(r.block_ids) for r, _ in batch), default=0)
-        tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in batch]
-        return (
-            torch.tensor(tables, dtype=torch.int32, device=self.device).view(
-                len(batch), max_blocks
-            ),
-            torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-        )
+    def _assign_warm_up_blocks(self, batch: list[tuple[Request, int]]) -> bool:
+        next_block = 0
+        for request, _ in batch:
+            num_blocks = -(-(request.num_tokens + 1) // self.block_size)
+            request.block_ids = list(range(next_block, next_block + num_blocks))
+            next_block += num_blocks
+        return next_block <= self.num_gpu_blocks
 
     # ---- start-up measurements for the preemption cost model --------------------------------
     def measure_prefill_rate(self, num_tokens: int = 256) -> float:
@@ -212,11 +217,15 @@ class ModelRunner:
         start = time.perf_counter()
         self.execute(out)
         self.sampler.release(request.request_id)
+        self.input_batch.remove(request.request_id)
         return num_tokens / max(time.perf_counter() - start, 1e-9)
 
 
-def _token_at(request: Request, index: int) -> int:
-    num_prompt = request.num_prompt_tokens
-    if index < num_prompt:
-        return request.prompt_token_ids[index]
-    return request.output_token_ids[index - num_prompt]
+def _warm_up_request(request_id: str, num_prompt: int, decoding: bool) -> Request:
+    """A throw-away request, either about to decode (its prompt and one output token in the
+    cache but the last) or about to prefill its prompt."""
+    request = Request(request_id, [1 + i % 100 for i in range(num_prompt)])
+    if decoding:
+        request.output_token_ids = [1]
+        request.num_computed_tokens = num_prompt
+    return request

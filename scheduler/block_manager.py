@@ -46,14 +46,6 @@ class BlockManager:
     def num_free_cpu_blocks(self) -> int:
         return len(self.free_cpu_blocks)
 
-    @property
-    def gpu_usage(self) -> float:
-        return 1.0 - self.num_free_gpu_blocks / max(self.num_gpu_blocks, 1)
-
-    @property
-    def cpu_usage(self) -> float:
-        return 1.0 - self.num_free_cpu_blocks / max(self.num_cpu_blocks, 1)
-
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -11,6 +11,7 @@ WAITING_FOR_KV = "waiting_for_kv"
 WAITING_FOR_SLOT = "waiting_for_slot"
 WAITING_BEHIND = "waiting_behind"  # the head of the line could not get in; it waits behind it
 WAITING_FOR_BUDGET = "waiting_for_budget"  # the step's token budget ran out before its turn
+WAITING_FOR_BATCH = "waiting_for_batch"  # dynamic batching: the batch has not formed yet
 SCHEDULED = "scheduled"
 PREEMPTED = "preempted"
 SWAPPED_IN = "swapped_in"

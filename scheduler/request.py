@@ -139,7 +139,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1

@@ -12,64 +12,11 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from scheduler import events as ev
 from scheduler.block_manager import BlockManager
+from scheduler.config import BATCH_POLICIES, PreemptionCostModel, SchedulerConfig, SchedulerOutput
 from scheduler.request import Request, RequestStatus
-
-POLICIES = ("priority", "fcfs", "static")
-PREEMPTION_MODES = ("auto", "swap", "recompute")
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_batch_tokens: int = 2048
-    max_model_len: int = 8192
-    policy: str = "priority"
-    preemption_mode: str = "auto"
-    priority_aging_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {POLICIES}, not {self.policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}")
-        if self.max_num_seqs < 1 or self.max_batch_tokens < 1:
-            raise ValueError("max_num_seqs and max_batch_tokens must be positive")
-
-
-@dataclass
-class PreemptionCostModel:
-    """Numbers measured by the runtime at start-up; the scheduler compares seconds."""
-
-    bytes_per_block: int = 0
-    copy_bytes_per_s: float = 1e10
-    prefill_tokens_per_s: float = 1e4
-
-    def swap_seconds(self, num_blocks: int) -> float:
-        return 2 * num_blocks * self.bytes_per_block / self.copy_bytes_per_s  # out and back in
-
-    def recompute_seconds(self, num_tokens: int) -> float:
-        return num_tokens / self.prefill_tokens_per_s
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
-    preempted: list[Request] = field(default_factory=list)
-    budget: int = 0
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -137,6 +84,16 @@ class Scheduler:
             ahead_tenants=sorted({r.tenant for r in ahead}),
             ahead_priorities=sorted({r.priority for r in ahead}),
         )
+        if self.config.policy in BATCH_POLICIES and not self.can_admit(now):
+            ev.emit(
+                request,
+                ev.WAITING_FOR_BATCH,
+                now,
+                num_running=len(self.running),
+                num_waiting=len(self.waiting),
+                batch_size=self.config.max_num_seqs,
+                window_s=self.config.batch_window_s,
+            )
 
     def _start_fair_share(self, tenant: str) -> None:
         """A tenant new to the line starts at the current minimum, so it cannot bank credit."""
@@ -172,9 +129,34 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput(budget=self.config.max_batch_tokens)
         self._schedule_running(out, now)
-        if self.config.policy != "static" or not self.running:
+        if self.can_admit(now):
             self._schedule_line(out, now)
         return out
+
+    def can_admit(self, now: float) -> bool:
+        """Continuous policies admit every step. A static or dynamic batch runs to completion
+        first; a dynamic batch then starts once `max_num_seqs` requests wait or the oldest has
+        waited `batch_window_s`."""
+        if self.config.policy not in BATCH_POLICIES:
+            return True
+        if self.running:
+            return False
+        if self.config.policy == "static" or self.swapped:
+            return True
+        return self.seconds_until_batch(now) == 0.0
+
+    def seconds_until_batch(self, now: float) -> float:
+        """Dynamic batching: how long until the waiting line forms a batch (0: it does now)."""
+        if not self.waiting or len(self.waiting) >= self.config.max_num_seqs:
+            return 0.0
+        oldest = min(request.arrival_time for request in self.waiting)
+        return max(0.0, oldest + self.config.batch_window_s - now)
+
+    def seconds_until_runnable(self) -> float:
+        """How long the engine may sleep before a step could do anything (0: step now)."""
+        if self.config.policy != "dynamic" or self.running or self.swapped:
+            return 0.0
+        return self.seconds_until_batch(self.clock())
 
     def _schedule_running(self, out: SchedulerOutput, now: float) -> None:
         for request in sorted(self.running, key=lambda r: self.urgency(r, now)):

@@ -8,7 +8,6 @@ import asyncio
 import json
 import math
 import random
-from dataclasses import fields
 
 import pytest
 from test_server_support import (
@@ -97,9 +96,12 @@ def test_overhead_server_gets_the_same_engine_config():
         model="/m", dtype="float32", num_kv_blocks=64, swap_space=0.5, max_model_len=512,
         priority_aging=2.0, preemption_mode="swap", seed=3,
     )  # fmt: skip
-    for switch in fields(config):  # every on/off flag away from its default
-        if isinstance(switch.default, bool):
-            setattr(config, switch.name, not switch.default)
+    switches = {  # every on/off flag away from its default
+        name: not info.default
+        for name, info in EngineConfig.model_fields.items()
+        if isinstance(info.default, bool)
+    }
+    config = config.model_copy(update=switches)
     args = build_parser().parse_args(["serve", *engine_flags(config)])
     assert settings_from_args(args).engine_config() == config
 

@@ -87,3 +87,19 @@ def test_commands_are_typed_values():
     assert AbortRequest("r-1") != AbortRequest("r-2")
     with pytest.raises(AttributeError):
         add.priority = 0  # frozen: the engine thread reads what the event loop sent
+
+
+async def test_dynamic_batching_waits_for_its_batch_then_serves(tiny_model_dir):
+    config = EngineConfig(
+        model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=4,
+        scheduling="dynamic", batch_window=0.2,
+    )  # fmt: skip
+    client = EngineClient(Engine(config))
+    client.start()
+    try:
+        outputs = [output async for output in client.submit([5, 6, 7], greedy(3))]
+    finally:
+        client.stop()
+    kinds = [event.kind for output in outputs for event in output.events]
+    assert kinds.index("waiting_for_batch") < kinds.index("scheduled")
+    assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == 3

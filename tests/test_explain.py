@@ -168,7 +168,7 @@ def test_a_wait_kind_the_scheduler_may_add_later_still_gets_its_segment():
     assert "queue 0.60 s" in explanation.sentences[-1]
 
 
-def test_the_proposed_line_events_name_the_blocker_and_the_budget():
+def test_the_line_events_name_the_blocker_and_the_budget():
     events = [ev("received", 0.0), queued(0.001)]
     events += [
         ev("waiting_behind", 0.1, 0, by=f"{OTHER}-0", by_tenant="acme", by_priority=1),
@@ -184,6 +184,17 @@ def test_the_proposed_line_events_name_the_blocker_and_the_budget():
     tenant_view = "\n".join(explain(record(), events, viewer_tenant="initech").sentences)
     assert "behind a request of another tenant (priority 1)" in tenant_view
     assert OTHER not in tenant_view
+
+
+def test_a_wait_for_a_batch_says_whether_it_formed_or_ran():
+    forming = ev("waiting_for_batch", 0.001, 0, num_running=0, batch_size=8, window_s=0.05)
+    events = [ev("received", 0.0), queued(0.001), forming, scheduled(0.051), finished(1.0)]
+    text = "\n".join(explain(record(), events).sentences)
+    assert "Waited 50 ms for a batch to form: up to 0.05 s for 8 requests" in text
+    behind = ev("waiting_for_batch", 0.001, 0, num_running=3, batch_size=8, window_s=0.05)
+    events = [ev("received", 0.0), queued(0.001), behind, scheduled(0.801), finished(1.0)]
+    text = "\n".join(explain(record(), events).sentences)
+    assert "Waited 0.80 s for the running batch to finish" in text
 
 
 def test_a_sub_millisecond_wait_for_the_next_step_gets_no_sentence_but_still_counts():

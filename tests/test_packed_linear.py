@@ -1,4 +1,4 @@
-"""oneDNN packed projections (CPU, float32) against the plain nn.Linear they replace."""
+"""oneDNN packed projections (CPU, float32 and native bfloat16) against the plain nn.Linear they replace."""
 
 from __future__ import annotations
 
@@ -30,9 +30,27 @@ def test_packed_linear_matches_plain(bias, num_rows):
     torch.testing.assert_close(linear(strided), F.linear(strided, weight, bias_value))
 
 
-def test_only_cpu_float32_packs():
-    assert not can_pack(torch.device("cpu"), torch.bfloat16)
+def test_only_cpu_float32_and_native_bfloat16_pack():
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert can_pack(torch.device("cpu"), torch.bfloat16) == native_bf16
+    assert not can_pack(torch.device("cpu"), torch.float16)
     assert not can_pack(torch.device("meta"), torch.float32)
+
+
+@pytest.mark.skipif(
+    not can_pack(torch.device("cpu"), torch.bfloat16), reason="no native bfloat16 on this CPU"
+)
+@pytest.mark.parametrize("num_rows", [1, 7, 300])
+def test_packed_bfloat16_is_bit_identical_to_plain(num_rows):
+    """Where oneDNN runs bfloat16 natively, F.linear takes the same oneDNN path: packing only
+    saves the per-call reorder, so outputs (and greedy tokens) stay exactly the same."""
+    torch.manual_seed(0)
+    linear = Linear(96, 160, bias=False).to(torch.bfloat16)
+    weight = linear.weight.detach().clone()
+    x = torch.randn(num_rows, 96, dtype=torch.bfloat16)
+    expected = F.linear(x, weight)
+    linear.pack()
+    assert torch.equal(linear(x), expected)
 
 
 def test_loaded_model_packs_every_projection_and_the_tied_lm_head(tiny_model_dir):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from scheduler.block_manager import BlockManager
+from scheduler.config import PreemptionCostModel, SchedulerConfig
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import PreemptionCostModel, Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 
 
 class Clock:

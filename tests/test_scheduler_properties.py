@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 
 EOS = 0
 

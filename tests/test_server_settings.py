@@ -3,7 +3,8 @@ process and without a model."""
 
 from __future__ import annotations
 
-import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -21,6 +22,8 @@ from gateway.serve import settings_from_args
 from gateway.settings import ServeSettings
 from runtime.config import EngineConfig
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def serve_settings(*argv: str) -> ServeSettings:
     return settings_from_args(build_parser().parse_args(["serve", *argv]))
@@ -36,11 +39,57 @@ def test_every_setting_has_a_flag():
     assert set(ServeSettings.model_fields) <= serve_flag_dests()
 
 
-def test_engine_flags_match_the_engine_config_and_its_defaults():
-    settings = ServeSettings()
-    for engine_field in dataclasses.fields(EngineConfig):
-        assert getattr(settings, engine_field.name) == engine_field.default, engine_field.name
-    assert settings.engine_config() == EngineConfig()
+def test_engine_settings_are_the_engine_config_fields_not_copies():
+    for name, info in EngineConfig.model_fields.items():
+        assert repr(ServeSettings.model_fields[name]) == repr(info), name
+    assert ServeSettings().engine_config() == EngineConfig()
+
+
+def test_engine_flags_come_from_the_model_with_its_bounds_and_choices(tmp_path):
+    parser = build_parser("generate")
+    args = parser.parse_args(["generate", "--input", "a", "--output", "b"])
+    assert EngineConfig.from_args(args) == EngineConfig()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--input", "a", "--output", "b", "--dtype", "int8"])
+    args = parser.parse_args(["generate", "--input", "a", "--output", "b", "--max-num-seqs", "0"])
+    with pytest.raises(ValidationError):
+        EngineConfig.from_args(args)
+    args = parser.parse_args(
+        ["generate", "--input", "a", "--output", "b", "--no-prefix-caching", "--seed", "7"]
+    )
+    config = EngineConfig.from_args(args)
+    assert (config.enable_prefix_caching, config.seed) == (False, 7)
+
+
+def alternatives(entry: dict) -> list[dict]:
+    """The non-null schemas an entry allows (through nested oneOf/anyOf)."""
+    nested = entry.get("oneOf") or entry.get("anyOf")
+    if nested is None:
+        return [] if entry.get("type") == "null" else [entry]
+    return [leaf for option in nested for leaf in alternatives(option)]
+
+
+def chart_setting_schemas() -> dict[str, list[dict]]:
+    """The chart's `config` section: setting name -> the non-null schemas it accepts."""
+    schema = json.loads((ROOT / "helm/conveyor/values.schema.json").read_text())
+    return {
+        "".join("_" + c.lower() if c.isupper() else c for c in key): alternatives(entry)
+        for key, entry in schema["properties"]["config"]["properties"].items()
+    }
+
+
+def test_the_charts_settings_schema_agrees_with_the_settings_model():
+    """Type, choices, bounds and pattern of each setting the chart takes are the model's."""
+    properties = ServeSettings.model_json_schema()["properties"]
+    for name, chart_options in chart_setting_schemas().items():
+        (model,) = alternatives(properties[name])
+        typed = [option for option in chart_options if option["type"] == model["type"]]
+        assert len(typed) == 1, name
+        chart = typed[0]
+        if "enum" in model:
+            assert {str(v).lower() for v in chart["enum"]} == set(model["enum"]), name
+        for bound in ("minimum", "maximum", "exclusiveMinimum", "pattern"):
+            assert chart.get(bound) == model.get(bound), (name, bound)
 
 
 def test_flag_beats_environment_beats_default(monkeypatch):

@@ -14,6 +14,7 @@ from scheduler.events import (  # noqa: F401 (re-exported: the audit trail's eng
     SCHEDULED,
     SWAPPED_IN,
     WAITING_BEHIND,
+    WAITING_FOR_BATCH,
     WAITING_FOR_BUDGET,
     WAITING_FOR_KV,
     WAITING_FOR_SLOT,

@@ -220,6 +220,13 @@ class Explainer:
                 f"{facts.get('max_batch_tokens')}-token step budget was used by "
                 f"{plural(facts.get('num_scheduled') or 0, 'sequence')}"
             )
+        if kind == ev.WAITING_FOR_BATCH:
+            if facts.get("num_running"):
+                return f"waited {seconds(duration)} for the running batch to finish"
+            return (
+                f"waited {seconds(duration)} for a batch to form: up to "
+                f"{facts.get('window_s')} s for {facts.get('batch_size')} requests"
+            )
         shown = joined(f"{k} {v}" for k, v in facts.items() if k != "choice")
         reason = kind.removeprefix("waiting_").replace("_", " ")
         return f"waited {seconds(duration)} {reason}" + (f" ({shown})" if shown else "")

@@ -17,9 +17,10 @@ from runtime.models.config import ModelConfig
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once packed (CPU, float32), runs oneDNN on a weight reordered once into
-    its blocked layout. Otherwise torch calls MKL's sgemm, which re-packs the weight on every
-    call: 1.5-2.5x slower at the few rows of a decode step (measured on the whole model)."""
+    """nn.Linear that, once packed (CPU, float32 or native bfloat16), runs oneDNN on a weight
+    reordered once into its blocked layout. Otherwise torch re-packs the weight on every call
+    (MKL's sgemm in float32, oneDNN in bfloat16): 1.5-2.5x slower at the few rows of a decode
+    step in float32 (measured on the whole model), 1.3-1.6x per projection in bfloat16."""
 
     packed: torch.Tensor | None = None
 
@@ -34,7 +35,13 @@ class Linear(nn.Linear):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """CPU float32, or bfloat16 where oneDNN runs it natively (bit-identical to F.linear there,
+    1.3-1.6x faster at decode's few rows: measured on an AVX-512 bf16 EPYC)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,153 @@
+"""`conveyor bench step`: what one decode step costs the host, around a forward that is nearly
+free. A near-zero model (1 layer, hidden 64, SmolLM2's vocabulary of 49,152, random weights)
+runs N sequences at once; a step is then the vocabulary projection, the sampler and the Python
+around them. Reported: mean Engine.step, ModelRunner.execute, and the share of execute spent in
+the vocabulary projection plus sampling (the floor), against the issue's target of 20 ms per
+step at 128 sequences in float32 on one thread."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import add_common_args, progress, save_result
+from runtime.config import EngineConfig
+
+NEAR_ZERO = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "eos_token_id": 2,
+    "bos_token_id": 1,
+}
+TARGET_MS = 20.0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("step", help="host cost of a decode step on a near-zero model")
+    p.add_argument("--num-seqs", type=int, default=128)
+    p.add_argument("--num-steps", type=int, default=50)
+    p.add_argument("--sampling", choices=["greedy", "random"], default="greedy")
+    p.add_argument("--dtype", default="float32")
+    add_common_args(p)
+    p.set_defaults(func=cmd_step, num_threads=1)
+
+
+def cmd_step(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.num_threads or 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_step_bench(write_near_zero_model(Path(tmp)), args)
+    print(json.dumps(result, indent=2))
+    save_result(args.save_result, result)
+    return 0
+
+
+def write_near_zero_model(path: Path) -> Path:
+    """Random weights of NEAR_ZERO and the default model's tokenizer, in `path`."""
+    from safetensors.torch import save_file
+
+    from runtime.model_loader import resolve_model
+
+    c = NEAR_ZERO
+    gen = torch.Generator().manual_seed(0)
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    shapes = {
+        "self_attn.q_proj": (c["num_attention_heads"] * d, h),
+        "self_attn.k_proj": (c["num_key_value_heads"] * d, h),
+        "self_attn.v_proj": (c["num_key_value_heads"] * d, h),
+        "self_attn.o_proj": (h, c["num_attention_heads"] * d),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
+    weights = {
+        "model.embed_tokens.weight": torch.randn(c["vocab_size"], h, generator=gen) * 0.5,
+        "model.norm.weight": torch.ones(h),
+        "model.layers.0.input_layernorm.weight": torch.ones(h),
+        "model.layers.0.post_attention_layernorm.weight": torch.ones(h),
+    }
+    for name, shape in shapes.items():
+        weight = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
+        weights[f"model.layers.0.{name}.weight"] = weight
+    (path / "config.json").write_text(json.dumps(c))
+    save_file(weights, str(path / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model(None) / name, path / name)
+    return path
+
+
+def run_step_bench(model_dir: Path, args: argparse.Namespace) -> dict:
+    from runtime.engine import Engine
+    from scheduler.request import SamplingParams
+
+    num_blocks = args.num_seqs * 16  # room for 256 tokens each
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype=args.dtype,
+            num_kv_blocks=max(num_blocks, 64),
+            max_num_seqs=max(args.num_seqs, 1),
+        )
+    )
+    temperature = 0.0 if args.sampling == "greedy" else 0.8
+    params = SamplingParams(max_tokens=10**6, temperature=temperature, top_p=0.9, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(args.num_seqs):
+        prompt = torch.randint(256, 40000, (64 + i % 64,), generator=gen).tolist()
+        engine.add_request(prompt, params)
+    for _ in range(5):  # every prompt in, the steps are decodes from here
+        engine.step()
+    timers = _install_timers(engine.runner)
+    progress(f"{args.num_steps} decode steps of {args.num_seqs} sequences ...")
+    start = time.perf_counter()
+    for _ in range(args.num_steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / args.num_steps * 1e3
+    per_step = {name: 1e3 * seconds / args.num_steps for name, seconds in timers.items()}
+    return {
+        "num_seqs": args.num_seqs,
+        "sampling": args.sampling,
+        "dtype": args.dtype,
+        "num_threads": torch.get_num_threads(),
+        "step_ms": round(step_ms, 2),
+        "execute_ms": round(per_step["execute"], 2),
+        "logits_and_sampling_ms": round(per_step["logits"] + per_step["sampling"], 2),
+        "target_step_ms": TARGET_MS,
+        "meets_target": step_ms <= TARGET_MS,
+    }
+
+
+def _install_timers(runner) -> dict[str, float]:
+    """Wraps the runner's execute, vocabulary projection and sampler with wall-clock timers."""
+    timers = {"execute": 0.0, "logits": 0.0, "sampling": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers[name] += time.perf_counter() - start
+
+        return wrapper
+
+    runner.execute = timed("execute", runner.execute)
+    runner.model.compute_logits = timed("logits", runner.model.compute_logits)
+    runner.sampler.sample_on_device = timed("sampling", runner.sampler.sample_on_device)
+    return timers

@@ -1,0 +1,16 @@
+"""`conveyor bench step` runs end to end on its near-zero model (a smoke test: no timing is
+judged here; the figures belong to the benchmark's output)."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.step import run_step_bench, write_near_zero_model
+
+
+def test_bench_step_reports_its_figures(tmp_path):
+    args = argparse.Namespace(num_seqs=4, num_steps=2, sampling="random", dtype="float32")
+    result = run_step_bench(write_near_zero_model(tmp_path), args)
+    assert result["num_seqs"] == 4 and result["sampling"] == "random"
+    assert 0 < result["logits_and_sampling_ms"] <= result["execute_ms"] <= result["step_ms"]
+    assert isinstance(result["meets_target"], bool)

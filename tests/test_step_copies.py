@@ -1,0 +1,129 @@
+"""A step moves data across at most once each way: one host-to-device copy of its staged inputs,
+one device-to-host copy of the sampled ids (and logprobs), and nothing else that would make the
+host wait for a GPU (item, tolist, bool of a tensor, nonzero, a tensor built from a list...).
+
+Run on the GPU's code path: the attention, norm, RoPE and KV-store kernels are the Triton ones
+(under Triton's interpreter without a GPU, see conftest), so no CPU-only planning runs, and every
+tensor operation our runtime and kernel code issues between the two copies is recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from runtime import model_runner, staging
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from scheduler.request import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+OUR_CODE = tuple(str(ROOT / part) + os.sep for part in ("runtime", "kernels", "scheduler"))
+# tensor operations that, on a GPU, copy to or from the host or wait for the device
+SYNCING = {
+    "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy",
+    "nonzero", "tensor", "as_tensor", "unique", "repeat_interleave", "masked_select", "copy_",
+}  # fmt: skip
+
+
+def _moves_device(name: str, args, kwargs) -> bool:
+    if name != "to":
+        return False
+    values = list(args[1:]) + list((kwargs or {}).values())
+    return any(isinstance(v, str | torch.device) for v in values)
+
+
+class SyncRecorder(TorchFunctionMode):
+    """Records syncing operations called from our code while `active`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if self.active and (name in SYNCING or _moves_device(name, args, kwargs)):
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.startswith(OUR_CODE):
+                self.calls.append(f"{name} in {Path(caller.co_filename).name}:{caller.co_name}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> Engine:
+    from kernels.dispatch import _triton_kernels
+
+    engine = Engine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=8)
+    )
+    kernels = _triton_kernels()
+    assert kernels is not None, "triton is needed for the GPU code path"
+    backend = engine.runner.backend
+    backend.use_triton, backend.kernels = True, kernels
+    for module in engine.runner.model.modules():
+        if hasattr(module, "kernels"):
+            module.kernels = kernels
+    return engine
+
+
+def mixed_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.7, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=6, temperature=0.0, frequency_penalty=0.5, ignore_eos=True),
+    ]
+
+
+def test_one_copy_each_way_and_no_other_sync_per_step(engine, monkeypatch):
+    recorder = SyncRecorder()
+    copies = {"to_device": 0, "to_host": 0}
+
+    def counted_to_device(host, device_buffer):
+        assert not recorder.active, "a second host-to-device copy in one step"
+        copies["to_device"] += 1
+        staging_copy(host, device_buffer)
+        recorder.active = True  # the device's part of the step starts here
+
+    def counted_to_host(device_tensor):
+        assert recorder.active, "a device-to-host copy without a step's inputs staged"
+        recorder.active = False
+        copies["to_host"] += 1
+        return host_copy(device_tensor)
+
+    staging_copy, host_copy = staging.copy_to_device, model_runner.copy_to_host
+    monkeypatch.setattr(staging, "copy_to_device", counted_to_device)
+    monkeypatch.setattr(model_runner, "copy_to_host", counted_to_host)
+
+    prompts = [[5, 6, 7, 8] * k for k in range(1, 5)]
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, mixed_params())]
+    num_steps = 0
+    with recorder:
+        while engine.has_unfinished():
+            engine.step()
+            num_steps += 1
+            assert copies == {"to_device": num_steps, "to_host": num_steps}
+            assert recorder.calls == [], f"step {num_steps} syncs: {recorder.calls}"
+    assert all(r.num_output_tokens == 6 for r in requests)
+    assert requests[2].output_token_ids and num_steps >= 6
+
+
+def test_the_recorder_catches_a_sync(engine, monkeypatch):
+    """The check above is real: the CPU path's attention planning reads lengths on the host
+    (free on a CPU, a sync on a GPU), and the recorder sees it."""
+    from kernels import reference
+
+    recorder = SyncRecorder()
+    monkeypatch.setattr(engine.runner.backend, "use_triton", False)
+    monkeypatch.setattr(engine.runner.backend, "kernels", reference)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0))
+    with recorder:
+        recorder.active = True
+        engine.step()
+    assert "tolist in attention.py:_prefill_parts" in recorder.calls
