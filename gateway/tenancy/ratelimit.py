@@ -4,7 +4,8 @@ Every check is one atomic Lua script, so concurrent replicas can never both take
 of a limit:
 
 - requests/minute: a sliding-window log (see `limit_scripts`): in any 60 s at most
-  `rpm + burst` requests are admitted (burst is per tenant, 0 unless set).
+  `rpm + burst` requests are admitted (burst is per tenant, 0 unless set). A check costs
+  O(log N) amortised, O(N) at worst (N: admissions in the last 60 s, at most the limit).
 - tokens/minute: the same sliding window over tokens; daily and monthly token quotas: the
   current UTC day/month. `prompt_tokens + max_tokens` is reserved at admission; `complete`
   refunds the unused part.
