@@ -95,9 +95,7 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     redis = make_redis(settings.redis_url)
     app[REDIS] = redis
-    app[RATE_LIMITER] = RateLimiter(
-        redis, burst=settings.rate_limit_burst, on_error=settings.rate_limit_on_error
-    )
+    app[RATE_LIMITER] = RateLimiter(redis, on_error=settings.rate_limit_on_error)
     if not await app[RATE_LIMITER].load_scripts():
         log.warning(
             "Redis is unreachable at startup; rate limits are %s",
@@ -125,7 +123,8 @@ async def authenticator_ctx(app: web.Application) -> AsyncIterator[None]:
     from gateway.tenancy.keys import Authenticator, KeyHasher
 
     hasher = KeyHasher(app[SETTINGS].effective_key_hash_secret)
-    authenticator = Authenticator(app[SESSIONMAKER], hasher)
+    stale_for_s = app[SETTINGS].auth_stale_for
+    authenticator = Authenticator(app[SESSIONMAKER], hasher, stale_for_s=stale_for_s)
     app[AUTHENTICATOR] = authenticator
     yield
     await authenticator.close()
@@ -251,9 +250,13 @@ async def readyz(request: web.Request) -> web.Response:
     # With --rate-limit-on-error=open a Redis outage only lifts the rate limits (requests are
     # still served), so it must not take the replica out of the load balancer; fail-closed
     # refuses every request without Redis, so there Redis is part of being ready.
+    # Likewise with --auth-stale-for, known keys are served through a database outage (audit
+    # records wait in the spool), so the database is not part of being ready.
     required = dict(checks)
     if request.app[SETTINGS].rate_limit_on_error == "open":
         required.pop("redis")
+    if request.app[SETTINGS].auth_stale_for > 0:
+        required.pop("database")
     ready = all(required.values())
     body = {"status": "ready" if ready else "not ready", "checks": checks}
     return web.json_response(body, status=200 if ready else 503)

@@ -78,8 +78,9 @@ class Tenant(Base):
     default_priority: Mapped[int] = mapped_column(Integer, default=0)
     max_priority: Mapped[int] = mapped_column(Integer, default=0)  # most urgent allowed
     weight: Mapped[float] = mapped_column(Float, default=1.0)
-    # Limits: NULL means unlimited.
+    # Limits (gateway.tenancy.limits.LIMIT_FIELDS): NULL means unlimited.
     rpm: Mapped[int | None] = mapped_column(Integer)
+    burst: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # extra on rpm
     tpm: Mapped[int | None] = mapped_column(BigInteger)
     max_concurrency: Mapped[int | None] = mapped_column(Integer)
     daily_token_quota: Mapped[int | None] = mapped_column(BigInteger)

@@ -44,7 +44,14 @@ class ServeSettings(EngineConfig, BaseSettings):
     rate_limit_on_error: Literal["open", "closed"] = Field(
         "open", description="Redis unreachable: serve without limits (open) or answer 503"
     )
-    rate_limit_burst: int = Field(10, ge=0)
+    auth_stale_for: float = Field(
+        300.0,
+        ge=0,
+        description="while the database is unreachable, keys valid at their last check keep"
+        " working this long (default 300; 0: refuse them with 503 once their cached answer"
+        " expires)",
+        json_schema_extra={"metavar": "SECONDS"},
+    )
     key_hash_secret: str | None = Field(None, description="HMAC secret for API keys")
     admin_tokens: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated bearer tokens for /admin"

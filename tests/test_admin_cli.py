@@ -70,14 +70,15 @@ def test_operator_workflow(capsys, database_url):
     cli = Cli(capsys, database_url)
     code, out, err = cli("db", "upgrade")
     assert code == 0, err
-    assert "revision 0001" in out
+    assert "revision 0002" in out
 
     created = cli.json("tenants", "create", "--name", "acme", "--rpm", "600", "--tpm", "100000",
                        "--default-priority", "2", "--max-priority", "-1", "--weight", "2.5",
-                       "--max-concurrency", "4", "--daily-token-quota", "5000000000")  # fmt: skip
+                       "--max-concurrency", "4", "--daily-token-quota", "5000000000",
+                       "--burst", "20")  # fmt: skip
     assert created == {
         "id": created["id"], "name": "acme", "default_priority": 2, "max_priority": -1,
-        "weight": 2.5, "rpm": 600, "tpm": 100000, "max_concurrency": 4,
+        "weight": 2.5, "rpm": 600, "burst": 20, "tpm": 100000, "max_concurrency": 4,
         "daily_token_quota": 5_000_000_000, "monthly_token_quota": None, "enabled": True,
     }  # fmt: skip
     cli.json("tenants", "create", "--name", "globex", "--disable")
@@ -85,6 +86,8 @@ def test_operator_workflow(capsys, database_url):
     assert [(t["name"], t["enabled"]) for t in listed] == [("acme", True), ("globex", False)]
     code, out, _ = cli("tenants", "list")
     assert out.splitlines()[0].split()[:4] == ["id", "name", "enabled", "default_priority"]
+    assert out.splitlines()[0].split()[6:8] == ["rpm", "burst"]  # the limits are columns
+    assert out.splitlines()[1].split()[6:8] == ["600", "20"]
 
     updated = cli.json("tenants", "update", "acme", "--rpm", "none", "--monthly-token-quota", "7")
     assert (updated["rpm"], updated["monthly_token_quota"], updated["tpm"]) == (None, 7, 100000)

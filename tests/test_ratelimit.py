@@ -35,7 +35,7 @@ async def redis_client(request, redis_url, unique_name):
 
 @pytest.fixture
 def limiter(redis_client) -> RateLimiter:
-    return RateLimiter(redis_client, burst=0, lease_ttl_s=30)
+    return RateLimiter(redis_client, lease_ttl_s=30)
 
 
 def limits_for(tenant: str, **limits) -> TenantLimits:
@@ -107,7 +107,7 @@ def test_hash_tag_escapes_braces():
 
 def test_all_key_names_of_a_tenant_share_one_slot():
     keys = TenantKeys.of("we{ird}")
-    names = [keys.gcra, keys.tokens_minute, keys.tokens_day, keys.tokens_month, keys.leases]
+    names = [keys.requests, *keys.tokens, keys.tokens_day, keys.tokens_month, keys.leases]
     names.append(keys.reservation("req-{1}"))
     assert all(name.startswith("conveyor:rl:{we%7Bird%7D}:") for name in names)
     assert len({key_slot(name.encode()) for name in names}) == 1
@@ -121,39 +121,81 @@ async def test_every_key_written_for_a_tenant_carries_its_tag(limiter, redis_cli
     await admit_one(limiter, limits, T0 + 1, "r2", 5, 5)
     await limiter.complete(limits, "r1", 10, 3)
     written = [key async for key in redis_client.scan_iter(match=f"*{unique_name}*")]
-    assert len(written) == 6  # gcra, tpm, day, month, leases, reservation of r2
+    assert len(written) == 8  # requests, tokens (3), day, month, leases, reservation of r2
     assert all(f"{{{unique_name}}}".encode() in key for key in written)
     assert len({key_slot(key) for key in written}) == 1
 
 
-# --- requests per minute (GCRA) ---------------------------------------------------------------
+# --- requests per minute (sliding window) ----------------------------------------------------
 
 
-async def test_gcra_admits_burst_at_once_then_refuses(limiter, unique_name):
-    limits = limits_for(unique_name, rpm=60, burst=4)
-    admitted = [await admit_one(limiter, limits, T0, f"r{i}") for i in range(5)]
-    assert all(a.allowed for a in admitted)
-    assert [a.remaining_requests for a in admitted] == [4, 3, 2, 1, 0]
-    refused = await admit_one(limiter, limits, T0, "r5")
-    assert (refused.allowed, refused.reason, refused.code) == (
-        False,
+async def test_rpm_4_admits_4_of_7_sent_at_once(limiter, unique_name):
+    limits = limits_for(unique_name, rpm=4)
+    admissions = [await admit_one(limiter, limits, T0, f"r{i}") for i in range(7)]
+    assert [a.allowed for a in admissions] == [True] * 4 + [False] * 3
+    assert [a.remaining_requests for a in admissions[:4]] == [3, 2, 1, 0]
+    refused = admissions[4]
+    assert (refused.reason, refused.code, refused.error_type) == (
         "rate_limit_requests",
         "rate_limit_exceeded",
+        "requests",
     )
-    assert refused.retry_after == pytest.approx(1.0)
-    assert refused.headers()["Retry-After"] == "1"
+    assert refused.retry_after == pytest.approx(60.0)
+    assert refused.headers()["Retry-After"] == "60"
 
 
-async def test_gcra_admits_again_after_retry_after(limiter, unique_name):
-    limits = limits_for(unique_name, rpm=6)  # one request every 10 s
+async def test_all_n_at_the_top_of_a_window_then_all_n_in_the_next(limiter, unique_name):
+    rpm = 20
+    limits = limits_for(unique_name, rpm=rpm)
+    for minute in range(3):
+        start = T0 + 60 * minute
+        admitted = [await admit_one(limiter, limits, start, f"m{minute}-{i}") for i in range(rpm)]
+        assert all(a.allowed for a in admitted)
+        late = await admit_one(limiter, limits, start + 59.999, f"m{minute}-late")
+        assert not late.allowed and late.retry_after == pytest.approx(0.001, abs=1e-3)
+
+
+async def test_evenly_spaced_at_the_limit_is_never_refused(limiter, unique_name):
+    rpm = 6  # one every 10 s, for five minutes; then a seventh in a minute is refused
+    limits = limits_for(unique_name, rpm=rpm)
+    arrivals = [T0 + 10 * i for i in range(30)]
+    assert await admitted_times(limiter, limits, arrivals) == arrivals
+    assert not (await admit_one(limiter, limits, arrivals[-1] + 5, "extra")).allowed
+
+
+async def test_burst_is_extra_on_top_of_rpm(limiter, unique_name):
+    limits = limits_for(unique_name, rpm=60, burst=4)
+    admitted = [await admit_one(limiter, limits, T0 + i / 100, f"r{i}") for i in range(64)]
+    assert all(a.allowed for a in admitted)
+    refused = await admit_one(limiter, limits, T0 + 1, "r64")
+    assert refused.reason == "rate_limit_requests"
+    assert refused.retry_after == pytest.approx(59.0)  # until the first of the 64 leaves
+
+
+async def test_refused_client_is_admitted_after_retry_after(limiter, unique_name):
+    limits = limits_for(unique_name, rpm=2)
     assert (await admit_one(limiter, limits, T0, "a")).allowed
-    refused = await admit_one(limiter, limits, T0 + 4, "b")
-    assert refused.retry_after == pytest.approx(6.0)
-    assert not (await admit_one(limiter, limits, T0 + 9.9, "c")).allowed
-    assert (await admit_one(limiter, limits, T0 + 4 + refused.retry_after, "d")).allowed
+    assert (await admit_one(limiter, limits, T0 + 30, "b")).allowed
+    refused = await admit_one(limiter, limits, T0 + 40, "c")
+    assert refused.retry_after == pytest.approx(20.0)
+    assert not (await admit_one(limiter, limits, T0 + 59.9, "d")).allowed
+    assert (await admit_one(limiter, limits, T0 + 40 + refused.retry_after, "e")).allowed
 
 
-async def test_gcra_never_exceeds_rpm_plus_burst_in_any_minute(limiter, unique_name):
+async def test_request_headers_count_what_is_still_admissible(limiter, unique_name):
+    limits = limits_for(unique_name, rpm=600)
+    first = await admit_one(limiter, limits, T0, "r0")
+    headers = first.headers()
+    assert headers["x-ratelimit-limit-requests"] == "600"
+    assert headers["x-ratelimit-remaining-requests"] == "599"
+    assert headers["x-ratelimit-reset-requests"] == "0s"  # one more is admissible now
+    for i in range(1, 600):
+        last = await admit_one(limiter, limits, T0 + i / 100, f"r{i}")
+    assert last.allowed and last.headers()["x-ratelimit-remaining-requests"] == "0"
+    assert last.headers()["x-ratelimit-reset-requests"] == format_reset(60 - 5.99)
+
+
+async def test_never_more_than_rpm_plus_burst_in_any_60_s(limiter, unique_name):
     rpm, burst = 30, 5
     steady = limits_for(unique_name + "-steady", rpm=rpm, burst=burst)
     every_quarter_second = [T0 + i / 4 for i in range(4 * 150)]
@@ -161,7 +203,8 @@ async def test_gcra_never_exceeds_rpm_plus_burst_in_any_minute(limiter, unique_n
     assert most_in_one_minute(admitted) == rpm + burst
     jittery = limits_for(unique_name + "-jittery", rpm=rpm, burst=burst)
     random_times = sorted(T0 + random.Random(7).uniform(0, 150) for _ in range(300))
-    assert most_in_one_minute(await admitted_times(limiter, jittery, random_times)) <= rpm + burst
+    admitted = await admitted_times(limiter, jittery, random_times)
+    assert most_in_one_minute(admitted) == rpm + burst
 
 
 async def admitted_times(limiter, limits, arrivals):
@@ -188,32 +231,46 @@ async def test_tokens_are_reserved_then_refunded(limiter, unique_name):
     limits = limits_for(unique_name, tpm=1000)
     first = await admit_one(limiter, limits, T0 + 20, "a", prompt_tokens=100, max_tokens=500)
     assert (first.allowed, first.reserved_tokens, first.remaining_tokens) == (True, 600, 400)
-    assert first.headers()["x-ratelimit-reset-tokens"] == "40s"
+    assert first.headers()["x-ratelimit-reset-tokens"] == "0s"  # a token is admissible now
     refused = await admit_one(limiter, limits, T0 + 20, "b", prompt_tokens=100, max_tokens=400)
-    assert (refused.reason, refused.retry_after) == ("rate_limit_tokens", pytest.approx(40.0))
+    assert (refused.reason, refused.error_type) == ("rate_limit_tokens", "tokens")
+    assert refused.retry_after == pytest.approx(60.0)  # until "a" leaves the window
     await limiter.complete(limits, "a", reserved_tokens=600, used_tokens=150)  # refunds 450
     assert (await limiter.usage(limits, now=T0 + 21))["tokens_this_minute"] == 150
     again = await admit_one(limiter, limits, T0 + 21, "b", prompt_tokens=100, max_tokens=400)
     assert (again.allowed, again.remaining_tokens) == (True, 350)
 
 
-async def test_next_minute_starts_empty(limiter, unique_name):
+async def test_tokens_all_at_the_top_of_a_window_then_the_next(limiter, unique_name):
     limits = limits_for(unique_name, tpm=100)
-    assert (await admit_one(limiter, limits, T0 + 59, "a", 100)).allowed
-    assert not (await admit_one(limiter, limits, T0 + 59.9, "b", 1)).allowed
+    assert (await admit_one(limiter, limits, T0, "a", 100)).allowed
+    refused = await admit_one(limiter, limits, T0 + 59.9, "b", 1)
+    assert not refused.allowed and refused.retry_after == pytest.approx(0.1)
+    assert refused.headers()["x-ratelimit-remaining-tokens"] == "0"
     assert (await admit_one(limiter, limits, T0 + 60, "c", 100)).allowed
 
 
-async def test_refund_is_given_once_and_only_to_the_windows_of_the_reservation(
-    limiter, unique_name
-):
+async def test_tokens_never_exceed_tpm_in_any_60_s(limiter, unique_name):
+    limits = limits_for(unique_name, tpm=1000)
+    rng = random.Random(3)
+    arrivals = sorted((T0 + rng.uniform(0, 180), rng.randint(1, 300)) for _ in range(200))
+    admitted = []
+    for i, (t, cost) in enumerate(arrivals):
+        if (await admit_one(limiter, limits, t, f"r{i}", cost)).allowed:
+            admitted.append((t, cost))
+    most = max(sum(c for u, c in admitted if t <= u < t + 60) for t, _ in admitted)
+    assert 900 < most <= 1000
+
+
+async def test_refund_is_given_once_and_only_while_in_the_window(limiter, unique_name):
     limits = limits_for(unique_name, tpm=1000, daily_token_quota=10_000)
     await admit_one(limiter, limits, T0 + 30, "a", 100, 900)
-    await admit_one(limiter, limits, T0 + 70, "b", 100, 100)  # next minute
+    assert not (await admit_one(limiter, limits, T0 + 70, "b", 100, 100)).allowed
+    assert (await admit_one(limiter, limits, T0 + 91, "b", 100, 100)).allowed  # "a" has left
     await limiter.complete(limits, "a", reserved_tokens=1000, used_tokens=200)
     await limiter.complete(limits, "a", reserved_tokens=1000, used_tokens=200)
-    usage = await limiter.usage(limits, now=T0 + 71)
-    assert usage["tokens_this_minute"] == 200  # b's minute does not get a's refund
+    usage = await limiter.usage(limits, now=T0 + 92)
+    assert usage["tokens_this_minute"] == 200  # b's window does not get a's refund
     assert usage["tokens_today"] == 200 + 200
 
 
@@ -225,7 +282,7 @@ async def test_refusal_reserves_nothing(limiter, unique_name):
     assert refused.reason == "daily_quota"
     usage = await limiter.usage(limits, now=T0)
     assert usage["tokens_this_minute"] == usage["tokens_today"] == usage["concurrency"] == 0
-    assert usage["requests_remaining"] == 4  # burst + 1: no request was spent
+    assert usage["requests_remaining"] == 63  # rpm + burst: no request was spent
 
 
 # --- daily and monthly quotas --------------------------------------------------------------------

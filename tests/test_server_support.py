@@ -146,7 +146,6 @@ def server_env(database_url: str, redis_url: str | None, workdir: Path) -> dict[
         "CONVEYOR_DATABASE_URL": database_url,
         "CONVEYOR_KEY_HASH_SECRET": KEY_HASH_SECRET,
         "CONVEYOR_ADMIN_TOKENS": ADMIN_TOKEN,
-        "CONVEYOR_RATE_LIMIT_BURST": "0",
         "CONVEYOR_MAX_WAITING_REQUESTS": "8",
         "CONVEYOR_AUDIT_SPOOL_PATH": str(workdir / "audit.spool"),
     }

@@ -2,7 +2,7 @@
 `conveyor keys ...` and `conveyor db ...`.
 
     conveyor db upgrade                                  # create or migrate the schema
-    conveyor tenants create --name acme --rpm 600 --tpm 100000 --max-priority -1
+    conveyor tenants create --name acme --rpm 600 --burst 20 --tpm 100000 --max-priority -1
     conveyor tenants list [--json]
     conveyor tenants update acme --rpm none --disable    # `none` removes a limit
     conveyor keys create --tenant acme                   # prints the key once
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 
 from gateway.admin.commands import (
-    TENANT_COLUMNS,
     db_current,
     db_downgrade,
     db_upgrade,
@@ -33,14 +32,9 @@ from gateway.admin.commands import (
     tenants_list,
     tenants_update,
 )
-
-LIMIT_FIELDS = ("rpm", "tpm", "max_concurrency", "daily_token_quota", "monthly_token_quota")
-
+from gateway.tenancy.limits import LIMIT_FIELDS, LimitField
 
 NO_LIMIT_WORDS = ("none", "unlimited")
-
-
-TENANT_COLUMNS += LIMIT_FIELDS
 
 
 # ==== command line ============================================================================
@@ -107,11 +101,19 @@ def register_tenants(subparsers, common: argparse.ArgumentParser) -> None:
     update.set_defaults(func=runner(tenants_update))
 
 
-LIMITS_EPILOG = """\
-limits (--rpm, --tpm, --max-concurrency, --daily-token-quota, --monthly-token-quota):
+NULLABLE_FLAGS = ", ".join(limit.flag for limit in LIMIT_FIELDS if limit.nullable)
+
+
+DEFAULTED_FLAGS = ", ".join(limit.flag for limit in LIMIT_FIELDS if not limit.nullable)
+
+
+LIMITS_EPILOG = f"""\
+limits ({NULLABLE_FLAGS}):
   a positive integer, or `none` for no limit; on `update`, `--rpm none` removes the limit.
-  Unset limits on `create` are unlimited. Priorities: lower numbers are more urgent, so
-  --max-priority (the most urgent a request may ask for) must be <= --default-priority."""
+  Unset limits on `create` are unlimited. {DEFAULTED_FLAGS}: a number, never `none`;
+  unset, its default (see above).
+  Priorities: lower numbers are more urgent, so --max-priority (the most urgent a request
+  may ask for) must be <= --default-priority."""
 
 
 def add_tenant_field_args(parser: argparse.ArgumentParser) -> None:
@@ -124,16 +126,18 @@ def add_tenant_field_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weight", type=float, default=unset, help="fair-share weight (default 1.0)"
     )
-    helps = {
-        "rpm": "requests per minute",
-        "tpm": "tokens per minute (prompt + max_tokens reserved)",
-        "max_concurrency": "requests running at once",
-        "daily_token_quota": "tokens per UTC day",
-        "monthly_token_quota": "tokens per UTC month",
-    }
-    for field, text in helps.items():
-        flag = "--" + field.replace("_", "-")
-        parser.add_argument(flag, type=limit_value, default=unset, metavar="N|none", help=text)
+    for limit in LIMIT_FIELDS:
+        add_limit_arg(parser, limit)
+
+
+def add_limit_arg(parser: argparse.ArgumentParser, limit: LimitField) -> None:
+    if limit.nullable:
+        kind, metavar = limit_value, "N|none"
+    else:
+        kind, metavar = int, "N"
+    parser.add_argument(
+        limit.flag, type=kind, default=argparse.SUPPRESS, metavar=metavar, help=limit.help
+    )
 
 
 def add_enabled_switch(parser: argparse.ArgumentParser) -> None:

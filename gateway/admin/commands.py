@@ -18,8 +18,10 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.settings import DEV_KEY_HASH_SECRET, ServeSettings
+from gateway.tenancy.limits import LIMIT_NAMES
 
 TENANT_COLUMNS = ("id", "name", "enabled", "default_priority", "max_priority", "weight")
+TENANT_COLUMNS += LIMIT_NAMES
 
 
 KEY_COLUMNS = ("id", "tenant", "prefix", "status", "created_at", "last_used_at", "revoked_at")

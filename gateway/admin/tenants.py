@@ -20,7 +20,7 @@ from datetime import datetime
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from gateway.appkeys import AUTHENTICATOR, RATE_LIMITER, SESSIONMAKER, SETTINGS
 from gateway.errors import APIError, bad_request, from_validation_error
@@ -32,9 +32,8 @@ from gateway.tenancy.keys import (
     list_keys,
     revoke_key,
 )
+from gateway.tenancy.limits import LIMIT_FIELDS
 from gateway.tenancy.tenants import (
-    INT32_MAX,
-    INT64_MAX,
     TENANT_NAME_PATTERN,
     TenantCreate,
     TenantNameTaken,
@@ -44,13 +43,14 @@ from gateway.tenancy.tenants import (
     create_tenant,
     delete_tenant,
     get_tenant,
+    limit_fields,
     list_tenants,
     update_tenant,
 )
 
 
 # ---- bodies ----------------------------------------------------------------------------------
-class TenantPatch(BaseModel):
+class TenantPatchFields(BaseModel):
     """Only the fields given change; `null` on a limit removes it (unlimited). The tenant as a
     whole must stay valid (e.g. max_priority <= default_priority)."""
 
@@ -60,12 +60,12 @@ class TenantPatch(BaseModel):
     default_priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
     max_priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
     weight: float | None = Field(None, gt=0, le=1_000_000, allow_inf_nan=False)
-    rpm: int | None = Field(None, ge=1, le=INT32_MAX)
-    tpm: int | None = Field(None, ge=1, le=INT64_MAX)
-    max_concurrency: int | None = Field(None, ge=1, le=INT32_MAX)
-    daily_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
-    monthly_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
     enabled: bool | None = None
+
+
+TenantPatch = create_model(
+    "TenantPatch", __base__=TenantPatchFields, **limit_fields(partial=True, bounded=True)
+)
 
 
 class TenantList(BaseModel):
@@ -84,27 +84,28 @@ class KeyList(BaseModel):
     items: list[ApiKeyOut]
 
 
-class TenantUsage(BaseModel):
-    """Tokens against quotas (UTC day and month) and the live rate-limit state, from Redis."""
+class TenantUsageFields(BaseModel):
+    """Tokens against quotas (UTC day and month) and the live rate-limit state, from Redis,
+    next to the tenant's configured limits."""
 
     tenant_id: int
     tenant: str
     available: bool = Field(description="false: Redis unreachable, the numbers are unknown")
     tokens_today: int | None = None
     tokens_this_month: int | None = None
-    daily_token_quota: int | None
-    monthly_token_quota: int | None
     daily_tokens_remaining: int | None = None
     monthly_tokens_remaining: int | None = None
-    rpm: int | None
-    requests_remaining: int | None = None
-    requests_reset_s: float | None = None
-    tpm: int | None
-    tokens_this_minute: int | None = None
+    requests_remaining: int | None = Field(None, description="admissible now (last 60 s)")
+    requests_reset_s: float | None = Field(None, description="until one more is admissible")
+    tokens_this_minute: int | None = Field(None, description="reserved in the last 60 s")
     tokens_remaining: int | None = None
     tokens_reset_s: float | None = None
-    max_concurrency: int | None
     concurrency: int | None = Field(None, description="requests running now")
+
+
+TenantUsage = create_model(
+    "TenantUsage", __base__=TenantUsageFields, **limit_fields(partial=False, bounded=False)
+)
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -247,15 +248,8 @@ async def usage_handler(request: web.Request) -> web.Response:
 
     tenant = await load_tenant(request)
     state = await request.config_dict[RATE_LIMITER].usage(tenant_limits(tenant))
-    configured = {
-        "tenant_id": tenant.id,
-        "tenant": tenant.name,
-        "daily_token_quota": tenant.daily_token_quota,
-        "monthly_token_quota": tenant.monthly_token_quota,
-        "rpm": tenant.rpm,
-        "tpm": tenant.tpm,
-        "max_concurrency": tenant.max_concurrency,
-    }
+    configured = {"tenant_id": tenant.id, "tenant": tenant.name}
+    configured |= {limit.name: getattr(tenant, limit.name) for limit in LIMIT_FIELDS}
     live = {k: v for k, v in state.items() if k in TenantUsage.model_fields}
     usage = TenantUsage(**{**live, **configured})
     return json_model(usage)

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gateway.audit import events as ev
+from gateway.tenancy.limits import REFUSALS as LIMIT_REFUSALS
 
 # Engine request ids made by the gateway: "<http request id>-<choice>".
 GATEWAY_SEQUENCE_ID = re.compile(r"^([0-9a-f]{32})-(\d+)$")
@@ -38,13 +39,7 @@ def is_wait(kind: str) -> bool:
 
 TRIVIAL_S = 0.001  # a wait for the next step shorter than this gets no sentence of its own
 NEXT_STEP_S = 0.25  # longer, with nobody ahead, is no longer just "the next step"
-REFUSALS = {
-    "rate_limit_requests": "the tenant's requests-per-minute limit",
-    "rate_limit_tokens": "the tenant's tokens-per-minute limit",
-    "concurrency": "the tenant's concurrency limit",
-    "daily_quota": "the tenant's daily token quota",
-    "monthly_quota": "the tenant's monthly token quota",
-    "unavailable": "the rate limiter being unreachable (fail-closed)",
+REFUSALS = {reason: refusal.phrase for reason, refusal in LIMIT_REFUSALS.items()} | {
     "overloaded": "the server being overloaded or shutting down",
     "validation": "an invalid request",
 }

@@ -15,35 +15,22 @@ from gateway.appkeys import (
 from gateway.errors import (
     APIError,
 )
+from gateway.tenancy.limits import LIMIT_FIELDS
 from gateway.tenancy.ratelimit import Admission, TenantLimits
 
 
 def tenant_limits(tenant: Any) -> TenantLimits:
+    """The limits of a tenant (ORM row or pydantic model) as the rate limiter takes them."""
     return TenantLimits(
-        tenant=tenant.name,
-        rpm=tenant.rpm,
-        tpm=tenant.tpm,
-        max_concurrency=tenant.max_concurrency,
-        daily_token_quota=tenant.daily_token_quota,
-        monthly_token_quota=tenant.monthly_token_quota,
+        tenant=tenant.name, **{limit.name: getattr(tenant, limit.name) for limit in LIMIT_FIELDS}
     )
-
-
-REFUSAL_TYPES = {
-    "rate_limit_requests": "requests",
-    "concurrency": "requests",
-    "rate_limit_tokens": "tokens",
-    "daily_quota": "insufficient_quota",
-    "monthly_quota": "insufficient_quota",
-    "unavailable": "server_error",
-}
 
 
 def refusal_error(admission: Admission) -> APIError:
     return APIError(
         admission.http_status,
         admission.message,
-        type=REFUSAL_TYPES.get(admission.reason or "", "requests"),
+        type=admission.error_type,
         code=admission.code,
         headers=admission.headers(),
     )

@@ -122,7 +122,8 @@ class AuthResult(NamedTuple):
 
 @dataclass(slots=True)
 class _CacheEntry:
-    expires_at: float
+    expires_at: float  # ask the database again after this
+    checked_at: float  # when the database last gave this answer
     result: AuthResult | None
 
 
@@ -132,7 +133,13 @@ class Authenticator:
     Answers, found or not, are cached for at most `ttl_s` so a revocation or a disabled tenant
     takes effect on every replica within that time. Concurrent misses for one key share a
     single query. `last_used_at` is written in the background at most every `touch_interval_s`
-    per key. Database errors propagate (the caller answers 503).
+    per key.
+
+    While the database is unreachable, the last answer for a key keeps being used for up to
+    `stale_for_s` after the database gave it (a key valid then keeps working, with the tenant's
+    limits as last read), and the database is asked again at most every `ttl_s` per key, so a
+    revocation applies as soon as it answers. A key with no answer that recent (one never seen,
+    or `stale_for_s=0`) gets the database error (the caller answers 503).
     """
 
     def __init__(
@@ -141,6 +148,7 @@ class Authenticator:
         hasher: KeyHasher,
         *,
         ttl_s: float = 2.0,
+        stale_for_s: float = 0.0,
         touch_interval_s: float = 60.0,
         max_entries: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
@@ -148,6 +156,7 @@ class Authenticator:
         self._sessionmaker = sessionmaker
         self._hasher = hasher
         self._ttl_s = ttl_s
+        self._stale_for_s = stale_for_s
         self._touch_interval_s = touch_interval_s
         self._max_entries = max_entries
         self._clock = clock
@@ -186,9 +195,23 @@ class Authenticator:
         return await asyncio.shield(lookup)
 
     async def _lookup_and_cache(self, key_hash: str) -> AuthResult | None:
-        result = await self._lookup(key_hash)
+        try:
+            result = await self._lookup(key_hash)
+        except Exception as error:
+            return self._stale_answer_or_raise(key_hash, error)
         self._remember(key_hash, result)
         return result
+
+    def _stale_answer_or_raise(self, key_hash: str, error: Exception) -> AuthResult | None:
+        """The database failed: the last answer if it is recent enough, else re-raise."""
+        entry = self._cache.get(key_hash)
+        now = self._clock()
+        if entry is None or now - entry.checked_at > self._stale_for_s:
+            raise error
+        log.warning("database unreachable: using the answer for a key from %.1f s ago",
+                    now - entry.checked_at)  # fmt: skip
+        entry.expires_at = now + self._ttl_s  # ask again after ttl_s, not on every request
+        return entry.result
 
     async def _lookup(self, key_hash: str) -> AuthResult | None:
         query = (
@@ -207,7 +230,8 @@ class Authenticator:
         return AuthResult(TenantOut.model_validate(tenant), ApiKeyOut.model_validate(key))
 
     def _remember(self, key_hash: str, result: AuthResult | None) -> None:
-        self._cache[key_hash] = _CacheEntry(self._clock() + self._ttl_s, result)
+        now = self._clock()
+        self._cache[key_hash] = _CacheEntry(now + self._ttl_s, now, result)
         self._cache.move_to_end(key_hash)
         while len(self._cache) > self._max_entries:
             self._cache.popitem(last=False)

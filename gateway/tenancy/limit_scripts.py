@@ -1,5 +1,15 @@
 """The Lua scripts behind `RateLimiter`: each check, reservation, refund and lease renewal is one
-atomic script, run by its SHA (loaded once, reloaded after a Redis restart).
+atomic script, run by its SHA (loaded once, reloaded after a Redis restart). The same scripts run
+on real Redis and on fakeredis (the embedded default).
+
+Requests and tokens per minute are sliding-window logs: a sorted set of the admissions of the
+last 60 s scored by admission time (plus, for tokens, each admission's reserved cost and their
+running sum). A request is admitted only if the admissions in (now - 60 s, now] plus itself stay
+within the limit, so no 60-second window ever holds more than the limit, and a client that keeps
+to it (evenly, or all at once at the top of a window) is never refused. Cost per check: O(log N)
+amortised (each admission is added once and removed once; N = admissions in the window, at
+most the limit), O(N) worst case when computing how long a refused client must wait for tokens;
+memory O(N) per tenant.
 """
 
 from __future__ import annotations
@@ -11,9 +21,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 LUA_PRELUDE = """
-local MINUTE_MS = 60000
+local WINDOW_MS = 60000  -- the rate-limit window: any 60 s
 local DAY_MS = 86400000
-local EPSILON = 1e-6
 
 local function clock_ms(arg)
   if arg ~= '' then return tonumber(arg) end
@@ -58,17 +67,59 @@ local function window_used(key, window)
   return tonumber(stored[2]) or 0
 end
 
--- GCRA: ok, retry ms, requests admissible right now, theoretical arrival time
-local function gcra_state(key, rpm, burst, now)
-  if rpm < 0 then return true, 0, -1, now end
-  if rpm == 0 then return false, MINUTE_MS, 0, now + MINUTE_MS end
-  local interval = MINUTE_MS / rpm
-  local tolerance = burst * interval
-  local tat = math.max(tonumber(redis.call('GET', key)) or now, now)
-  local remaining = math.max(0, math.floor((now + tolerance - tat) / interval + EPSILON) + 1)
-  local wait = tat - tolerance - now
-  if wait > EPSILON then return false, wait, 0, tat end
-  return true, 0, remaining, tat
+local function score(ms) return string.format('%.3f', ms) end
+
+-- Requests: a sliding-window log, one sorted-set member per admitted request scored by its
+-- admission time. An admission is in the window while now - WINDOW_MS < its time.
+local function requests_in_window(key, now)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', score(now - WINDOW_MS))
+  return redis.call('ZCARD', key)
+end
+
+-- ms until one more request fits under `capacity` with `count` in the window
+local function wait_for_request(key, now, count, capacity)
+  local must_leave = count - capacity  -- 0-based rank of the admission whose exit frees a slot
+  if must_leave < 0 then return 0 end
+  local entry = redis.call('ZRANGE', key, must_leave, must_leave, 'WITHSCORES')
+  return math.max(0, tonumber(entry[2]) + WINDOW_MS - now)
+end
+
+-- Tokens: the same log (KEYS log), each request's reserved cost in a hash (KEYS costs) and
+-- their sum (KEYS sum), kept up to date as admissions leave the window and refunds come in.
+local function tokens_in_window(log, costs, sum_key, now)
+  local expired = redis.call('ZRANGEBYSCORE', log, '-inf', score(now - WINDOW_MS))
+  local sum = tonumber(redis.call('GET', sum_key)) or 0
+  if #expired == 0 then return sum end
+  for _, id in ipairs(expired) do
+    sum = sum - (tonumber(redis.call('HGET', costs, id)) or 0)
+    redis.call('HDEL', costs, id)
+  end
+  redis.call('ZREMRANGEBYSCORE', log, '-inf', score(now - WINDOW_MS))
+  sum = math.max(0, sum)
+  redis.call('SET', sum_key, sum, 'PX', 2 * WINDOW_MS)
+  return sum
+end
+
+-- ms until `cost` more tokens fit under `limit` with `sum` in the window
+local function wait_for_tokens(log, costs, now, sum, cost, limit)
+  if sum + cost <= limit then return 0 end
+  if cost > limit then return WINDOW_MS end  -- never fits; the refusal says so
+  local entries = redis.call('ZRANGE', log, 0, -1, 'WITHSCORES')
+  local freed = 0
+  for i = 1, #entries, 2 do
+    freed = freed + (tonumber(redis.call('HGET', costs, entries[i])) or 0)
+    if sum - freed + cost <= limit then
+      return math.max(0, tonumber(entries[i + 1]) + WINDOW_MS - now)
+    end
+  end
+  return WINDOW_MS
+end
+
+local function log_tokens(log, costs, sum_key, now, request_id, cost, sum)
+  redis.call('ZADD', log, score(now), request_id)
+  redis.call('HSET', costs, request_id, cost)
+  redis.call('SET', sum_key, sum + cost)
+  for _, key in ipairs({log, costs, sum_key}) do redis.call('PEXPIRE', key, 2 * WINDOW_MS) end
 end
 """
 
@@ -76,70 +127,78 @@ end
 ADMIT_LUA = (
     LUA_PRELUDE
     + """
--- KEYS: gcra, tpm, day, month, leases, reservation
--- ARGV: now ms ('' = server time), rpm, burst, tpm, daily, monthly, max concurrency,
---       cost, request id, lease ttl ms, reservation ttl ms, concurrency retry ms
---       (a limit of -1 means unlimited)
+-- KEYS: requests log, tokens log, token costs, tokens sum, day, month, leases, reservation
+-- ARGV: now ms ('' = server time), then the limits in the order of limits.LIMIT_FIELDS
+--       (rpm, burst, tpm, max concurrency, daily, monthly; -1 = unlimited),
+--       then cost, request id, lease ttl ms, reservation ttl ms, concurrency retry ms
 local now = clock_ms(ARGV[1])
 local rpm, burst, tpm = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local daily, monthly, max_concurrency = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local max_concurrency, daily, monthly = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local cost, request_id = tonumber(ARGV[8]), ARGV[9]
 local lease_ttl, reservation_ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
 local concurrency_retry = tonumber(ARGV[12])
 
-local minute = math.floor(now / MINUTE_MS)
 local day = math.floor(now / DAY_MS)
 local month, month_reset = month_window(now)
-local minute_reset = (minute + 1) * MINUTE_MS - now
 local day_reset = (day + 1) * DAY_MS - now
 
 local function fits(limit, used)
   return limit < 0 or used + cost <= limit
 end
 
-local requests_ok, requests_wait, requests_remaining, tat = gcra_state(KEYS[1], rpm, burst, now)
-local minute_used = window_used(KEYS[2], minute)
-local day_used = window_used(KEYS[3], day)
-local month_used = window_used(KEYS[4], month)
-redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
-local num_leases = redis.call('ZCARD', KEYS[5])
+local capacity = rpm < 0 and -1 or rpm + burst
+local num_requests = rpm < 0 and 0 or requests_in_window(KEYS[1], now)
+local tokens_used = tpm < 0 and 0 or tokens_in_window(KEYS[2], KEYS[3], KEYS[4], now)
+local day_used = window_used(KEYS[5], day)
+local month_used = window_used(KEYS[6], month)
+redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
+local num_leases = redis.call('ZCARD', KEYS[7])
 
-local function answer(allowed, reason, wait, remaining_requests, requests_reset, used_tokens)
-  local remaining_tokens = tpm < 0 and -1 or math.max(0, tpm - used_tokens)
-  return {allowed, reason, math.ceil(wait), remaining_requests, math.ceil(requests_reset),
-    remaining_tokens, math.ceil(minute_reset)}
+local function requests_state(count)
+  if capacity < 0 then return -1, 0 end
+  return math.max(0, capacity - count), wait_for_request(KEYS[1], now, count, capacity)
+end
+local function tokens_state(used)
+  if tpm < 0 then return -1, 0 end
+  return math.max(0, tpm - used), wait_for_tokens(KEYS[2], KEYS[3], now, used, 1, tpm)
+end
+local function answer(allowed, reason, wait, count, used)
+  local requests_left, requests_reset = requests_state(count)
+  local tokens_left, tokens_reset = tokens_state(used)
+  return {allowed, reason, math.ceil(wait), requests_left, math.ceil(requests_reset),
+    tokens_left, math.ceil(tokens_reset)}
 end
 local function refuse(reason, wait)
-  return answer(0, reason, wait, requests_remaining, math.max(0, tat - now), minute_used)
+  return answer(0, reason, wait, num_requests, tokens_used)
 end
 
 if not fits(monthly, month_used) then return refuse('monthly_quota', month_reset) end
 if not fits(daily, day_used) then return refuse('daily_quota', day_reset) end
-if not requests_ok then return refuse('rate_limit_requests', requests_wait) end
-if not fits(tpm, minute_used) then return refuse('rate_limit_tokens', minute_reset) end
+if capacity >= 0 and num_requests >= capacity then
+  return refuse('rate_limit_requests', wait_for_request(KEYS[1], now, num_requests, capacity))
+end
+if not fits(tpm, tokens_used) then
+  return refuse('rate_limit_tokens', wait_for_tokens(KEYS[2], KEYS[3], now, tokens_used, cost, tpm))
+end
 if max_concurrency >= 0 and num_leases >= max_concurrency then
   return refuse('concurrency', concurrency_retry)
 end
 
-local requests_reset = 0
-if rpm > 0 then
-  local new_tat = tat + MINUTE_MS / rpm
-  requests_reset = new_tat - now
-  redis.call('SET', KEYS[1], string.format('%.3f', new_tat), 'PX',
-    math.ceil(requests_reset) + MINUTE_MS)
-  requests_remaining = requests_remaining - 1
+if capacity >= 0 then
+  redis.call('ZADD', KEYS[1], score(now), request_id)
+  redis.call('PEXPIRE', KEYS[1], 2 * WINDOW_MS)
 end
-redis.call('HSET', KEYS[2], 'w', minute, 'n', minute_used + cost)
-redis.call('PEXPIRE', KEYS[2], math.ceil(minute_reset) + MINUTE_MS)
-redis.call('HSET', KEYS[3], 'w', day, 'n', day_used + cost)
-redis.call('PEXPIRE', KEYS[3], math.ceil(day_reset) + DAY_MS)
-redis.call('HSET', KEYS[4], 'w', month, 'n', month_used + cost)
-redis.call('PEXPIRE', KEYS[4], math.ceil(month_reset) + DAY_MS)
-redis.call('ZADD', KEYS[5], string.format('%.3f', now + lease_ttl), request_id)
-redis.call('PEXPIRE', KEYS[5], lease_ttl + MINUTE_MS)
-redis.call('HSET', KEYS[6], 'w', minute, 'd', day, 'm', month, 'n', cost)
-redis.call('PEXPIRE', KEYS[6], reservation_ttl)
-return answer(1, '', 0, requests_remaining, requests_reset, minute_used + cost)
+if tpm >= 0 then log_tokens(KEYS[2], KEYS[3], KEYS[4], now, request_id, cost, tokens_used) end
+redis.call('HSET', KEYS[5], 'w', day, 'n', day_used + cost)
+redis.call('PEXPIRE', KEYS[5], math.ceil(day_reset) + DAY_MS)
+redis.call('HSET', KEYS[6], 'w', month, 'n', month_used + cost)
+redis.call('PEXPIRE', KEYS[6], math.ceil(month_reset) + DAY_MS)
+redis.call('ZADD', KEYS[7], score(now + lease_ttl), request_id)
+redis.call('PEXPIRE', KEYS[7], lease_ttl + WINDOW_MS)
+redis.call('HSET', KEYS[8], 'd', day, 'm', month, 'n', cost)
+redis.call('PEXPIRE', KEYS[8], reservation_ttl)
+local admitted = capacity >= 0 and num_requests + 1 or 0
+return answer(1, '', 0, admitted, tpm >= 0 and tokens_used + cost or 0)
 """
 )
 
@@ -147,23 +206,31 @@ return answer(1, '', 0, requests_remaining, requests_reset, minute_used + cost)
 COMPLETE_LUA = (
     LUA_PRELUDE
     + """
--- KEYS: tpm, day, month, leases, reservation
+-- KEYS: tokens log, token costs, tokens sum, day, month, leases, reservation
 -- ARGV: reserved tokens, used tokens, request id
-redis.call('ZREM', KEYS[4], ARGV[3])
-local record = redis.call('HMGET', KEYS[5], 'w', 'd', 'm', 'n')
-if not record[4] then return 0 end
-redis.call('DEL', KEYS[5])
-local refund = math.min(tonumber(record[4]), tonumber(ARGV[1])) - tonumber(ARGV[2])
+local request_id = ARGV[3]
+redis.call('ZREM', KEYS[6], request_id)
+local record = redis.call('HMGET', KEYS[7], 'd', 'm', 'n')
+if not record[3] then return 0 end
+redis.call('DEL', KEYS[7])
+local refund = math.min(tonumber(record[3]), tonumber(ARGV[1])) - tonumber(ARGV[2])
 if refund <= 0 then return 0 end
 
--- a window that has rolled over since admission keeps its fresh count
+-- only while the admission is still in the tokens window
+local logged = tonumber(redis.call('HGET', KEYS[2], request_id))
+if logged and redis.call('ZSCORE', KEYS[1], request_id) then
+  local given = math.min(logged, refund)
+  redis.call('HSET', KEYS[2], request_id, logged - given)
+  local sum = tonumber(redis.call('GET', KEYS[3])) or 0
+  redis.call('SET', KEYS[3], math.max(0, sum - given), 'KEEPTTL')
+end
+-- a day or month that has rolled over since admission keeps its fresh count
 local function give_back(key, window)
   local used = window_used(key, window)
   if used > 0 then redis.call('HSET', key, 'n', math.max(0, used - refund)) end
 end
-give_back(KEYS[1], tonumber(record[1]))
-give_back(KEYS[2], tonumber(record[2]))
-give_back(KEYS[3], tonumber(record[3]))
+give_back(KEYS[4], tonumber(record[1]))
+give_back(KEYS[5], tonumber(record[2]))
 return refund
 """
 )
@@ -181,8 +248,8 @@ if expiry <= now then
   return 0
 end
 local lease_ttl = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], 'XX', string.format('%.3f', now + lease_ttl), ARGV[3])
-redis.call('PEXPIRE', KEYS[1], lease_ttl + MINUTE_MS)
+redis.call('ZADD', KEYS[1], 'XX', score(now + lease_ttl), ARGV[3])
+redis.call('PEXPIRE', KEYS[1], lease_ttl + WINDOW_MS)
 return 1
 """
 )
@@ -191,19 +258,27 @@ return 1
 USAGE_LUA = (
     LUA_PRELUDE
     + """
--- KEYS: gcra, tpm, day, month, leases; ARGV: now ms ('' = server time), rpm, burst
+-- KEYS: requests log, tokens log, token costs, tokens sum, day, month, leases
+-- ARGV: now ms ('' = server time), then the limits as ADMIT takes them (rpm, burst, tpm, ...)
 local now = clock_ms(ARGV[1])
-local minute = math.floor(now / MINUTE_MS)
-local month = month_window(now)
-local _, _, requests_remaining, tat = gcra_state(KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3]), now)
+local rpm, burst, tpm = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local requests_left, requests_reset = -1, 0
+if rpm >= 0 then
+  local count = requests_in_window(KEYS[1], now)
+  requests_left = math.max(0, rpm + burst - count)
+  requests_reset = wait_for_request(KEYS[1], now, count, rpm + burst)
+end
+local tokens_used = tokens_in_window(KEYS[2], KEYS[3], KEYS[4], now)
+local tokens_reset = 0
+if tpm >= 0 then tokens_reset = wait_for_tokens(KEYS[2], KEYS[3], now, tokens_used, 1, tpm) end
 return {
-  requests_remaining,
-  math.ceil(math.max(0, tat - now)),
-  window_used(KEYS[2], minute),
-  math.ceil((minute + 1) * MINUTE_MS - now),
-  window_used(KEYS[3], math.floor(now / DAY_MS)),
-  window_used(KEYS[4], month),
-  redis.call('ZCOUNT', KEYS[5], '(' .. string.format('%.3f', now), '+inf'),
+  requests_left,
+  math.ceil(requests_reset),
+  tokens_used,
+  math.ceil(tokens_reset),
+  window_used(KEYS[5], math.floor(now / DAY_MS)),
+  window_used(KEYS[6], month_window(now)),
+  redis.call('ZCOUNT', KEYS[7], '(' .. score(now), '+inf'),
 }
 """
 )

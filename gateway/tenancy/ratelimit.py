@@ -3,10 +3,12 @@
 Every check is one atomic Lua script, so concurrent replicas can never both take the last unit
 of a limit:
 
-- requests/minute: GCRA. `burst` extra requests may arrive at once; over any 60 s at most
-  `rpm + burst` are admitted.
-- tokens/minute, daily and monthly token quotas: `prompt_tokens + max_tokens` is reserved at
-  admission in the current UTC minute/day/month window; `complete` refunds the unused part.
+- requests/minute: a sliding-window log (see `limit_scripts`): in any 60 s at most
+  `rpm + burst` requests are admitted (burst is per tenant, 0 unless set). A check costs
+  O(log N) amortised, O(N) at worst (N: admissions in the last 60 s, at most the limit).
+- tokens/minute: the same sliding window over tokens; daily and monthly token quotas: the
+  current UTC day/month. `prompt_tokens + max_tokens` is reserved at admission; `complete`
+  refunds the unused part.
 - concurrency: one lease per running request in a sorted set scored by expiry, so the leases of
   a replica that died expire by themselves.
 
@@ -21,18 +23,16 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.tenancy.limit_scripts import ADMIT, COMPLETE, RENEW, USAGE
+from gateway.tenancy.limits import LIMIT_FIELDS, REFUSALS, LimitField
 
 logger = logging.getLogger(__name__)
-
-
-DEFAULT_BURST = 10
 
 
 DEFAULT_LEASE_TTL_S = 300.0
@@ -53,37 +53,14 @@ UNLIMITED = -1
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
-REASON_CODES = {
-    "rate_limit_requests": "rate_limit_exceeded",
-    "rate_limit_tokens": "rate_limit_exceeded",
-    "concurrency": "rate_limit_exceeded",
-    "daily_quota": "insufficient_quota",
-    "monthly_quota": "insufficient_quota",
-    "unavailable": "service_unavailable",
-}
-
-
-REASON_MESSAGES = {
-    "rate_limit_requests": "Rate limit reached for requests per minute.",
-    "rate_limit_tokens": "Rate limit reached for tokens per minute.",
-    "concurrency": "Too many concurrent requests.",
-    "daily_quota": "Daily token quota exceeded.",
-    "monthly_quota": "Monthly token quota exceeded.",
-    "unavailable": "Rate limiter unavailable.",
-}
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    """One tenant's limits; None means unlimited. `burst` None takes the limiter's default."""
-
-    tenant: str
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
-    daily_token_quota: int | None = None
-    monthly_token_quota: int | None = None
-    burst: int | None = None
+TenantLimits = make_dataclass(
+    "TenantLimits",
+    [("tenant", str)]
+    + [(limit.name, int | None, field(default=limit.default)) for limit in LIMIT_FIELDS],
+    frozen=True,
+)
+TenantLimits.__doc__ = "One tenant's limits (the fields of `limits.LIMIT_FIELDS`); None: unlimited."
+TenantLimits.__module__ = __name__  # picklable (replicas in tests are processes)
 
 
 @dataclass(frozen=True)
@@ -105,20 +82,29 @@ class Admission:
     @property
     def code(self) -> str | None:
         """OpenAI error code for the refusal body."""
-        return REASON_CODES.get(self.reason) if self.reason else None
+        refusal = REFUSALS.get(self.reason or "")
+        return refusal.code if refusal else None
+
+    @property
+    def error_type(self) -> str:
+        """OpenAI error type for the refusal body."""
+        refusal = REFUSALS.get(self.reason or "")
+        return refusal.error_type if refusal else "requests"
 
     @property
     def http_status(self) -> int:
         if self.allowed:
             return 200
-        return 503 if self.reason == "unavailable" else 429
+        refusal = REFUSALS.get(self.reason or "")
+        return refusal.http_status if refusal else 429
 
     @property
     def message(self) -> str:
         if self.allowed:
             return ""
+        refusal = REFUSALS.get(self.reason or "")
         retry = f" Please retry after {format_reset(self.retry_after)}."
-        return REASON_MESSAGES.get(self.reason or "", "Request refused.") + retry
+        return (refusal.message if refusal else "Request refused.") + retry
 
     def headers(self) -> dict[str, str]:
         headers: dict[str, str] = {}
@@ -171,12 +157,25 @@ class TenantKeys:
         return cls(f"{prefix}:{hash_tag(tenant)}")
 
     @property
-    def gcra(self) -> str:
-        return f"{self.base}:gcra"
+    def requests(self) -> str:
+        return f"{self.base}:rpm"
 
     @property
-    def tokens_minute(self) -> str:
+    def tokens_log(self) -> str:
         return f"{self.base}:tpm"
+
+    @property
+    def token_costs(self) -> str:
+        return f"{self.base}:tpm:cost"
+
+    @property
+    def tokens_sum(self) -> str:
+        return f"{self.base}:tpm:sum"
+
+    @property
+    def tokens(self) -> list[str]:
+        """The sliding window over tokens: log, costs, sum."""
+        return [self.tokens_log, self.token_costs, self.tokens_sum]
 
     @property
     def tokens_day(self) -> str:
@@ -198,8 +197,15 @@ class RedisUnavailable(Exception):
     """Redis failed recently; calls skip it until the retry interval has passed."""
 
 
-def limit_arg(limit: int | None) -> int:
-    return UNLIMITED if limit is None else max(0, int(limit))
+def limit_arg(limit: LimitField, value: int | None) -> int:
+    if value is None:
+        return UNLIMITED if limit.nullable else int(limit.default or 0)
+    return max(0, int(value))
+
+
+def limit_args(limits: TenantLimits) -> list[int]:
+    """The limits as the scripts take them: in the order of `LIMIT_FIELDS`, -1 = unlimited."""
+    return [limit_arg(limit, getattr(limits, limit.name)) for limit in LIMIT_FIELDS]
 
 
 def now_arg(now: float | None) -> str:
@@ -227,7 +233,6 @@ class RateLimiter:
         self,
         redis: aioredis.Redis,
         *,
-        burst: int = DEFAULT_BURST,
         on_error: Literal["open", "closed"] = "open",
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
@@ -237,7 +242,6 @@ class RateLimiter:
         if on_error not in ("open", "closed"):
             raise ValueError(f"on_error must be 'open' or 'closed', not {on_error!r}")
         self.redis = redis
-        self.burst = burst
         self.on_error = on_error
         self.lease_ttl_s = lease_ttl_s
         self.retry_interval_s = retry_interval_s
@@ -247,9 +251,6 @@ class RateLimiter:
 
     def keys(self, tenant: str) -> TenantKeys:
         return TenantKeys.of(tenant, self.key_prefix)
-
-    def burst_of(self, limits: TenantLimits) -> int:
-        return max(0, self.burst if limits.burst is None else limits.burst)
 
     async def load_scripts(self) -> bool:
         """Load every script now (optional: calls load them on demand). False if Redis is down."""
@@ -271,13 +272,14 @@ class RateLimiter:
         """Check every limit and, only if all pass, reserve prompt + max tokens and a lease."""
         cost = max(0, prompt_tokens) + max(0, max_tokens)
         keys = self.keys(limits.tenant)
-        key_list = [keys.gcra, keys.tokens_minute, keys.tokens_day, keys.tokens_month]
+        key_list = [keys.requests, *keys.tokens, keys.tokens_day, keys.tokens_month]
         key_list += [keys.leases, keys.reservation(request_id)]
-        args = [now_arg(now), limit_arg(limits.rpm), self.burst_of(limits)]
-        args += [limit_arg(limits.tpm), limit_arg(limits.daily_token_quota)]
-        args += [limit_arg(limits.monthly_token_quota), limit_arg(limits.max_concurrency)]
-        args += [cost, request_id, round(self.lease_ttl_s * 1000)]
-        args += [round(RESERVATION_TTL_S * 1000), round(self.concurrency_retry_s * 1000)]
+        args = [now_arg(now), *limit_args(limits), cost, request_id]
+        args += [
+            round(self.lease_ttl_s * 1000),
+            round(RESERVATION_TTL_S * 1000),
+            round(self.concurrency_retry_s * 1000),
+        ]
         try:
             reply = await self._run(ADMIT(self.redis, key_list, args))
         except REDIS_ERRORS + (RedisUnavailable,) as error:
@@ -323,7 +325,7 @@ class RateLimiter:
         is charged its reservation) and the lease expires after `lease_ttl_s`.
         """
         keys = self.keys(limits.tenant)
-        key_list = [keys.tokens_minute, keys.tokens_day, keys.tokens_month, keys.leases]
+        key_list = [*keys.tokens, keys.tokens_day, keys.tokens_month, keys.leases]
         key_list.append(keys.reservation(request_id))
         args = [max(0, reserved_tokens), max(0, used_tokens), request_id]
         try:
@@ -344,9 +346,8 @@ class RateLimiter:
     async def usage(self, limits: TenantLimits, now: float | None = None) -> dict[str, Any]:
         """Tokens used today and this month (UTC) and the live rpm/tpm/concurrency state."""
         keys = self.keys(limits.tenant)
-        key_list = [keys.gcra, keys.tokens_minute, keys.tokens_day, keys.tokens_month]
-        key_list.append(keys.leases)
-        args = [now_arg(now), limit_arg(limits.rpm), self.burst_of(limits)]
+        key_list = [keys.requests, *keys.tokens, keys.tokens_day, keys.tokens_month, keys.leases]
+        args = [now_arg(now), *limit_args(limits)]
         try:
             reply = await self._run(USAGE(self.redis, key_list, args))
         except REDIS_ERRORS + (RedisUnavailable,):

@@ -11,20 +11,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.models import ApiKey, Tenant
+from gateway.tenancy.limits import LIMIT_FIELDS
 
 log = logging.getLogger(__name__)
-
-
-INT32_MAX = 2**31 - 1
-
-
-INT64_MAX = 2**63 - 1
 
 
 TENANT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # safe in Redis tags and labels
@@ -38,22 +33,37 @@ class TenantNameTaken(ValueError):
     pass
 
 
-class TenantCreate(BaseModel):
+def limit_fields(*, partial: bool, bounded: bool) -> dict[str, Any]:
+    """The limit fields of `limits.LIMIT_FIELDS` as pydantic field definitions.
+
+    partial: every field optional with None as "not given" (updates, patches); bounded: with the
+    table's bounds (input models). Neither: as stored (output models).
+    """
+    fields: dict[str, Any] = {}
+    for limit in LIMIT_FIELDS:
+        kind = int | None if limit.nullable or partial else int
+        if not bounded:
+            fields[limit.name] = (kind, None if partial else ...)
+            continue
+        default = None if partial else limit.default
+        fields[limit.name] = (
+            kind,
+            Field(default, ge=limit.ge, le=limit.le, description=limit.help),
+        )
+    return fields
+
+
+class TenantCreateFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=TENANT_NAME_PATTERN)
     default_priority: int = Field(0, ge=-1_000_000, le=1_000_000)
     max_priority: int = Field(0, ge=-1_000_000, le=1_000_000)  # most urgent allowed
     weight: float = Field(1.0, gt=0, le=1_000_000, allow_inf_nan=False)
-    rpm: int | None = Field(None, ge=1, le=INT32_MAX)
-    tpm: int | None = Field(None, ge=1, le=INT64_MAX)
-    max_concurrency: int | None = Field(None, ge=1, le=INT32_MAX)
-    daily_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
-    monthly_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
     enabled: bool = True
 
     @model_validator(mode="after")
-    def _max_priority_is_at_least_as_urgent(self) -> TenantCreate:
+    def _max_priority_is_at_least_as_urgent(self) -> TenantCreateFields:
         if self.max_priority > self.default_priority:
             raise ValueError(
                 "max_priority (the most urgent allowed) must be <= default_priority;"
@@ -62,7 +72,12 @@ class TenantCreate(BaseModel):
         return self
 
 
-class TenantUpdate(BaseModel):
+TenantCreate = create_model(
+    "TenantCreate", __base__=TenantCreateFields, **limit_fields(partial=False, bounded=True)
+)
+
+
+class TenantUpdateFields(BaseModel):
     """A partial change: only the fields given are applied; `null` on a limit means unlimited."""
 
     model_config = ConfigDict(extra="forbid")
@@ -71,15 +86,15 @@ class TenantUpdate(BaseModel):
     default_priority: int | None = None
     max_priority: int | None = None
     weight: float | None = None
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
-    daily_token_quota: int | None = None
-    monthly_token_quota: int | None = None
     enabled: bool | None = None
 
 
-class TenantOut(BaseModel):
+TenantUpdate = create_model(
+    "TenantUpdate", __base__=TenantUpdateFields, **limit_fields(partial=True, bounded=False)
+)
+
+
+class TenantOutFields(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     id: int
@@ -87,12 +102,12 @@ class TenantOut(BaseModel):
     default_priority: int
     max_priority: int
     weight: float
-    rpm: int | None
-    tpm: int | None
-    max_concurrency: int | None
-    daily_token_quota: int | None
-    monthly_token_quota: int | None
     enabled: bool
+
+
+TenantOut = create_model(
+    "TenantOut", __base__=TenantOutFields, **limit_fields(partial=False, bounded=False)
+)
 
 
 TENANT_FIELDS = tuple(TenantCreate.model_fields)
