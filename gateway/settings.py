@@ -49,6 +49,7 @@ class ServeSettings(BaseSettings):
     )
     # ---- engine (runtime.config.EngineConfig) ------------------------------------------------
     model: str | None = None
+    served_model_name: Annotated[list[str] | None, NoDecode] = None
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -71,6 +72,14 @@ class ServeSettings(BaseSettings):
         """`CONVEYOR_ADMIN_TOKENS=a,b` as people write it."""
         if isinstance(value, str):
             return [token.strip() for token in value.split(",") if token.strip()]
+        return value
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def split_names(cls, value: object) -> object:
+        """`CONVEYOR_SERVED_MODEL_NAME="a b"` or `a,b`; empty: derived from the model."""
+        if isinstance(value, str):
+            return value.replace(",", " ").split() or None
         return value
 
     @field_validator("redis_url", "model", "log_level", "audit_retention_days", mode="before")

@@ -22,6 +22,7 @@ def cpu_supports_bf16() -> bool:
 @dataclass
 class EngineConfig:
     model: str | None = None
+    served_model_name: list[str] | None = None  # None: the name derived from `model`
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -58,6 +59,13 @@ class EngineConfig:
         group = parser.add_argument_group("engine")
         group.add_argument(
             "--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M-Instruct)"
+        )
+        group.add_argument(
+            "--served-model-name",
+            nargs="+",
+            default=None,
+            metavar="NAME",
+            help="names /v1/models lists and requests may use (default: from --model)",
         )
         group.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
         group.add_argument("--device", default="auto")

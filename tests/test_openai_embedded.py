@@ -272,7 +272,7 @@ MALFORMED = [
     ("prompt over context", COMPLETIONS, completion_body(prompt=TOO_LONG_PROMPT), 400, "context_length_exceeded", "prompt"),
     ("prompt + max_tokens over context", COMPLETIONS, completion_body(prompt=[100] * 1000, max_tokens=100), 400, "context_length_exceeded", "prompt"),
     ("chat over context", CHAT, chat_body(messages=[{"role": "user", "content": "hello " * 1100}]), 400, "context_length_exceeded", "messages"),
-    ("echo unsupported", COMPLETIONS, completion_body(echo=True), 400, None, "echo"),
+    ("echo unsupported", COMPLETIONS, completion_body(echo=True), 400, "unsupported_value", "echo"),
     ("unknown model", COMPLETIONS, json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404, "model_not_found", "model"),
     ("unknown route", "/v1/embeddings", completion_body(), 404, "not_found", None),
     ("body over --max-body-bytes", COMPLETIONS, completion_body(prompt="a" * (1 << 20)), 413, "request_too_large", None),

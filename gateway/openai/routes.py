@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from gateway.appkeys import (
     ENGINE_CLIENT,
@@ -199,15 +200,19 @@ async def write_quietly(response: web.StreamResponse, data: bytes) -> None:
 
 
 # ---- models -----------------------------------------------------------------------------------
-def model_card(request: web.Request) -> dict[str, Any]:
+def model_cards(request: web.Request) -> list[ModelCard]:
+    """One card per served name (`--served-model-name`), all the same model."""
     info = request.app[ENGINE_CLIENT].info
-    return {
-        "id": info.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "conveyor",
-        "max_model_len": info.max_model_len,
-    }
+    return [
+        ModelCard(
+            id=name,
+            object="model",
+            created=0,
+            owned_by="conveyor",
+            max_model_len=info.max_model_len,
+        )
+        for name in info.served_model_names
+    ]
 
 
 async def rate_limit_only(request: web.Request) -> dict[str, str]:
@@ -224,12 +229,19 @@ async def rate_limit_only(request: web.Request) -> dict[str, str]:
 
 async def list_models(request: web.Request) -> web.Response:
     headers = await rate_limit_only(request)
-    body = {"object": "list", "data": [model_card(request)]}
-    return web.json_response(body, headers=headers)
+    return json_model(ModelList(object="list", data=model_cards(request)), headers=headers)
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     headers = await rate_limit_only(request)
     model = request.match_info["model"]
     check_model(request, model)
-    return web.json_response(model_card(request), headers=headers)
+    card = next(card for card in model_cards(request) if card.id == model)
+    return json_model(card, headers=headers)
+
+
+def json_model(body: BaseModel, status: int = 200, headers: dict[str, str] | None = None):
+    """A response body built from its pydantic model, the one the document publishes."""
+    return web.Response(
+        body=body.model_dump_json(), status=status, headers=headers, content_type="application/json"
+    )
