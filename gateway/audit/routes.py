@@ -6,6 +6,7 @@ other tenants' names and request ids are redacted from the explanation and the e
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import datetime
 from typing import Any
 
@@ -27,6 +28,11 @@ from gateway.errors import APIError, bad_request
 
 READ_THROUGH_TIMEOUT_S = 5.0
 STATUSES = ("finished", "aborted", "cancelled", "error", "rejected")
+STATUS_LIST_PATTERN = f"^({'|'.join(STATUSES)})(,({'|'.join(STATUSES)}))*$"
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # the id and priority columns' range
+# A body id (`chatcmpl-<hex>`) or an x-request-id; anything else is a 404 before SQL sees it.
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+REQUEST_ID_SCHEMA = {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN.pattern}$"}
 
 
 class RequestQuery(BaseModel):
@@ -34,10 +40,18 @@ class RequestQuery(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tenant_id: int | None = Field(None, description="only this tenant's requests")
-    tenant: str | None = Field(None, description="only this tenant's requests, by name")
-    status: str | None = Field(None, description=f"comma-separated statuses: {', '.join(STATUSES)}")
-    priority: int | None = Field(None, description="effective priority")
+    tenant_id: int | None = Field(
+        None, ge=0, le=INT32_MAX, description="only this tenant's requests"
+    )
+    tenant: str | None = Field(
+        None, max_length=64, pattern=r"^[^\x00]*$", description="only this tenant's, by name"
+    )
+    status: str | None = Field(
+        None,
+        pattern=STATUS_LIST_PATTERN,
+        description=f"comma-separated statuses: {', '.join(STATUSES)}",
+    )
+    priority: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX, description="effective priority")
     received_after: datetime | None = Field(None, description="ISO 8601, inclusive")
     received_before: datetime | None = Field(None, description="ISO 8601, exclusive")
     min_queue_time_s: float | None = Field(None, ge=0, description="queued at least this long")
@@ -142,6 +156,8 @@ async def request_detail(
     """The record of a body id (`cmpl-…`, `chatcmpl-…`) or an x-request-id. Read through the
     audit writer: a record still queued is written first, so it is readable as soon as the
     response has ended."""
+    if not REQUEST_ID_PATTERN.fullmatch(given_id):
+        raise APIError(404, f"No request {given_id!r} in the audit log.", code="not_found")
     request_id = record_id_of(given_id)
     detail = await read_detail(request, request_id, tenant_id)
     if detail is None and await flushed_pending(request):

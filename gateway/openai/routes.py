@@ -26,7 +26,7 @@ from gateway.appkeys import (
     REQUEST_ID,
 )
 from gateway.audit.records import auditing_invalid_requests
-from gateway.audit.routes import RequestDetailOut, own_request
+from gateway.audit.routes import REQUEST_ID_SCHEMA, RequestDetailOut, own_request
 from gateway.openai.generation import generate
 from gateway.openai.planning import Plan, check_model, plan_chat, plan_completion
 from gateway.openai.rendering import (
@@ -37,10 +37,11 @@ from gateway.openai.rendering import (
     Format,
     TokenText,
     envelope,
+    full_body,
     response_headers,
     sse,
     stream_error_body,
-    usage_body,
+    usage_of,
 )
 from gateway.openai.responses import (
     ChatCompletion,
@@ -56,7 +57,16 @@ from gateway.openai.schemas import (
     read_body,
 )
 from gateway.openai.tracking import Tracker, admitted
-from gateway.openapi import BEARER_KEY, Route, build_document
+from gateway.openapi import (
+    AUTH_ERRORS,
+    BEARER_KEY,
+    DRAINING_ERRORS,
+    RATE_LIMIT_ERRORS,
+    RATE_LIMIT_HEADERS,
+    Route,
+    build_document,
+    header,
+)
 from gateway.tenancy.admission import refusal_error, tenant_limits
 
 log = logging.getLogger(__name__)
@@ -64,20 +74,39 @@ log = logging.getLogger(__name__)
 PREFIX = "/v1"
 
 
+OWN_REQUEST_LINK = {
+    "GetRequestRecord": {
+        "operationId": "get_own_request",
+        "parameters": {"request_id": "$response.body#/id"},
+        "description": "The request's audit record: the body `id` finds it",
+    }
+}
+NOT_FOUND = {404: "the model (or the request) does not exist"}
+GENERATES = {**AUTH_ERRORS, **NOT_FOUND, **RATE_LIMIT_ERRORS, **DRAINING_ERRORS}
+COUNTED = {**AUTH_ERRORS, **RATE_LIMIT_ERRORS, 503: "the key store is unreachable"}
+PRIORITY_HEADER = {"x-conveyor-priority": header("the priority it ran at", "integer")}
+
+
 def openai_routes() -> list[Route]:
     """Every `/v1` route, relative to `/v1`: the router and the document both read this table."""
     return [
         Route("POST", "/completions", create_completion, "Create a completion",
-              body=CompletionRequest, responses={200: Completion}, streams=Completion),
+              body=CompletionRequest, responses={200: Completion}, streams=Completion,
+              errors=GENERATES, headers={**RATE_LIMIT_HEADERS, **PRIORITY_HEADER},
+              links=OWN_REQUEST_LINK),
         Route("POST", "/chat/completions", create_chat_completion, "Create a chat completion",
               body=ChatCompletionRequest, responses={200: ChatCompletion},
-              streams=ChatCompletionChunk),
-        Route("GET", "/models", list_models, "List models", responses={200: ModelList}),
+              streams=ChatCompletionChunk, errors=GENERATES,
+              headers={**RATE_LIMIT_HEADERS, **PRIORITY_HEADER}, links=OWN_REQUEST_LINK),
+        Route("GET", "/models", list_models, "List models", responses={200: ModelList},
+              errors=COUNTED, headers=RATE_LIMIT_HEADERS),
         Route("GET", "/models/{model}", retrieve_model, "Retrieve a model",
-              responses={200: ModelCard}),
+              responses={200: ModelCard}, errors={**COUNTED, **NOT_FOUND},
+              headers=RATE_LIMIT_HEADERS),
         Route("GET", "/requests/{request_id}", own_request,
               "One of your requests: its audit record, events and the explanation of its delays",
-              responses={200: RequestDetailOut}),
+              responses={200: RequestDetailOut}, path_schemas={"request_id": REQUEST_ID_SCHEMA},
+              errors={**AUTH_ERRORS, **NOT_FOUND, 503: "the key store is unreachable"}),
     ]  # fmt: skip
 
 
@@ -88,12 +117,20 @@ def add_routes(router: web.UrlDispatcher) -> None:
 
 
 @functools.cache
-def openai_document() -> dict[str, Any]:
-    return build_document("Conveyor OpenAI-compatible API", PREFIX, openai_routes(), BEARER_KEY)
+def openai_document(served_names: tuple[str, ...]) -> dict[str, Any]:
+    """The document, with `model` an enum of the names this server answers to."""
+    document = build_document("Conveyor OpenAI-compatible API", PREFIX, openai_routes(), BEARER_KEY)
+    model = {"type": "string", "enum": list(served_names), "title": "Model"}
+    schemas = document["components"]["schemas"]
+    for body in (CompletionRequest, ChatCompletionRequest):
+        schemas[body.__name__]["properties"]["model"] = model
+    (parameter,) = document["paths"][PREFIX + "/models/{model}"]["get"]["parameters"]
+    parameter["schema"] = model
+    return document
 
 
 async def openapi_document(request: web.Request) -> web.Response:
-    return web.json_response(openai_document())
+    return web.json_response(openai_document(request.app[ENGINE_CLIENT].info.served_model_names))
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -135,12 +172,8 @@ async def full_response(
             tracker.observe(choice, output)
             choices[choice].add(output)
             num_cached = max(num_cached, output.num_cached_tokens)
-    body = {
-        **envelope(plan, fmt, int(plan.received_at), chunk=False),
-        "choices": [fmt.choice(state) for state in choices],
-        "usage": usage_body(plan, choices, num_cached),
-    }
-    return web.json_response(body, headers=response_headers(tracker))
+    body = full_body(plan, fmt, choices, num_cached)
+    return json_model(body, headers=response_headers(tracker))
 
 
 async def stream_response(
@@ -180,7 +213,7 @@ async def write_events(
         head["usage"] = None
     choices = [ChoiceState(i) for i in range(plan.num_choices)]
     for delta in fmt.first_deltas(plan.num_choices):
-        await response.write(sse({**head, "choices": [delta]}))
+        await response.write(sse(fmt.chunk_model(**head, choices=[delta])))
     num_cached = 0
     async with contextlib.aclosing(outputs):
         async for choice, output in outputs:
@@ -188,10 +221,10 @@ async def write_events(
             choices[choice].add(output)
             num_cached = max(num_cached, output.num_cached_tokens)
             for delta in fmt.deltas(choices[choice], output):
-                await response.write(sse({**head, "choices": [delta]}))
+                await response.write(sse(fmt.chunk_model(**head, choices=[delta])))
     if include_usage:
-        usage = usage_body(plan, choices, num_cached)
-        await response.write(sse({**head, "choices": [], "usage": usage}))
+        usage = usage_of(plan, choices, num_cached)
+        await response.write(sse(fmt.chunk_model(**{**head, "usage": usage}, choices=[])))
 
 
 async def write_quietly(response: web.StreamResponse, data: bytes) -> None:

@@ -201,7 +201,9 @@ async def settle(app: web.Application, tracker: Tracker) -> None:
     )
     if tracker.cancelled:
         tracker.status = "cancelled"
-    tracker.events.append({"kind": ev.COMPLETED, "time": time.monotonic(), "status": tracker.status})
+    tracker.events.append(
+        {"kind": ev.COMPLETED, "time": time.monotonic(), "status": tracker.status}
+    )
     app[METRICS].observe_finished(tracker)
     submit_audit(app, finished_record(tracker), tracker.events)
 

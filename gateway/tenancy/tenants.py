@@ -39,7 +39,7 @@ class TenantNameTaken(ValueError):
 
 
 class TenantCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(pattern=TENANT_NAME_PATTERN)
     default_priority: int = Field(0, ge=-1_000_000, le=1_000_000)
@@ -65,7 +65,7 @@ class TenantCreate(BaseModel):
 class TenantUpdate(BaseModel):
     """A partial change: only the fields given are applied; `null` on a limit means unlimited."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str | None = None
     default_priority: int | None = None
