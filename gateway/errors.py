@@ -102,8 +102,12 @@ def is_field_name(part: str | int) -> bool:
 
 
 def deepest_problem(error: ValidationError) -> dict[str, Any]:
-    """Of pydantic's problems, the deepest says the most."""
-    return max(error.errors(include_url=False), key=lambda p: len(p["loc"]))
+    """Of pydantic's problems, the deepest says the most; but where a union's members all fail,
+    "not a string" from the members the value is not says less than what is wrong with the
+    member it is (a list of 33 prompts: too long, not "not an int")."""
+    problems = error.errors(include_url=False)
+    telling = [p for p in problems if not p["type"].endswith("_type")] or problems
+    return max(telling, key=lambda p: len(p["loc"]))
 
 
 def field_path(location: tuple[str | int, ...]) -> str:

@@ -171,16 +171,29 @@ def response_of(route: Route, status: int, model, keyed) -> dict[str, Any]:
         return {"description": "No content", "headers": headers}
     content = {"application/json": {"schema": keyed[(model, "serialization")]}}
     if route.streams is not None:
-        chunk = keyed[(route.streams, "serialization")]
-        content["text/event-stream"] = {
-            "schema": {"type": "string", "description": "`data: <chunk JSON>` lines, then "
-                       "`data: [DONE]`"},
-            "x-chunk-schema": chunk,
-        }  # fmt: skip
+        content["text/event-stream"] = {"schema": sse_event_schema(route, keyed)}
     response = {"description": "OK", "headers": headers, "content": content}
     if route.links and status == min(route.responses):
         response["links"] = route.links
     return response
+
+
+def sse_event_schema(route: Route, keyed) -> dict[str, Any]:
+    """One event of a `stream: true` answer (Open API 3.1: `schema` describes each event): its
+    `data` is a chunk as JSON, an error as JSON (in-band, once the headers are gone), or the
+    closing `[DONE]`."""
+    chunk = keyed[(route.streams, "serialization")]
+    error = keyed[(ErrorBody, "serialization")]
+    as_json = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [chunk, error]},
+    }
+    return {
+        "type": "object",
+        "properties": {"data": {"anyOf": [as_json, {"const": "[DONE]"}]}},
+        "required": ["data"],
+    }
 
 
 def path_parameters(route: Route) -> list[dict[str, Any]]:

@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy.orm.exc import StaleDataError
 
 from gateway.appkeys import AUTHENTICATOR, RATE_LIMITER, SESSIONMAKER, SETTINGS
-from gateway.errors import APIError, bad_request, deepest_problem, from_validation_error
+from gateway.errors import APIError, deepest_problem, from_validation_error
+from gateway.jsonbody import read_model
 from gateway.tenancy.keys import (
     ApiKeyNotFound,
     ApiKeyOut,
@@ -58,16 +59,17 @@ class TenantPatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    name: str | None = Field(None, pattern=TENANT_NAME_PATTERN)
-    default_priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
-    max_priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
-    weight: float | None = Field(None, gt=0, le=1_000_000, allow_inf_nan=False)
+    # not nullable: a tenant always has these (left out: unchanged)
+    name: str = Field(None, pattern=TENANT_NAME_PATTERN)
+    default_priority: int = Field(None, ge=-1_000_000, le=1_000_000)
+    max_priority: int = Field(None, ge=-1_000_000, le=1_000_000)
+    weight: float = Field(None, gt=0, le=1_000_000, allow_inf_nan=False)
     rpm: int | None = Field(None, ge=1, le=INT32_MAX)
     tpm: int | None = Field(None, ge=1, le=INT64_MAX)
     max_concurrency: int | None = Field(None, ge=1, le=INT32_MAX)
     daily_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
     monthly_token_quota: int | None = Field(None, ge=1, le=INT64_MAX)
-    enabled: bool | None = None
+    enabled: bool = None
 
 
 class TenantList(BaseModel):
@@ -111,13 +113,7 @@ class TenantUsage(BaseModel):
 
 # ---- helpers ---------------------------------------------------------------------------------
 async def read_json(request: web.Request, model: type[BaseModel]) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        raise bad_request("The request body is empty; send a JSON object.")
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as error:
-        raise body_error(error) from None
+    return await read_model(request, model, body_error)
 
 
 def body_error(error: ValidationError) -> APIError:

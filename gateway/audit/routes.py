@@ -8,10 +8,17 @@ from __future__ import annotations
 import asyncio
 import re
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from gateway.appkeys import AUDIT, PRINCIPAL, SESSIONMAKER
 from gateway.audit.explain import explain, redact_events
@@ -35,6 +42,19 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 REQUEST_ID_SCHEMA = {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN.pattern}$"}
 
 
+NUMBER = re.compile(r"[-+]?[0-9]*\.?[0-9]*([eE][-+]?[0-9]+)?")
+
+
+def not_a_number(value: Any) -> Any:
+    """The document says `format: date-time`; pydantic alone would read "0.5" as a timestamp."""
+    if isinstance(value, str) and NUMBER.fullmatch(value.strip()):
+        raise ValueError("Input should be an ISO 8601 date-time")
+    return value
+
+
+IsoDateTime = Annotated[datetime, BeforeValidator(not_a_number)]
+
+
 class RequestQuery(BaseModel):
     """Filters of `GET /admin/requests` (query string); newest first."""
 
@@ -52,11 +72,13 @@ class RequestQuery(BaseModel):
         description=f"comma-separated statuses: {', '.join(STATUSES)}",
     )
     priority: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX, description="effective priority")
-    received_after: datetime | None = Field(None, description="ISO 8601, inclusive")
-    received_before: datetime | None = Field(None, description="ISO 8601, exclusive")
+    received_after: IsoDateTime | None = Field(None, description="ISO 8601, inclusive")
+    received_before: IsoDateTime | None = Field(None, description="ISO 8601, exclusive")
     min_queue_time_s: float | None = Field(None, ge=0, description="queued at least this long")
     preempted_only: bool = Field(False, description="only requests preempted at least once")
-    cursor: str | None = Field(None, description="`next_cursor` of the previous page")
+    cursor: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_-]+$", description="`next_cursor` of the previous page"
+    )
     limit: int = Field(50, ge=1, le=MAX_PAGE_SIZE)
 
     @field_validator("status")

@@ -24,12 +24,14 @@ from gateway.errors import (
     bad_request,
     model_not_found,
 )
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.openai.schemas import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from runtime.engine_client import EngineInfo
 from scheduler.request import SamplingParams, SamplingParamsError
-
-MAX_PROMPTS = 32
-
 
 LONG_PROMPT_CHARS = 8192  # tokenize longer prompts on a thread
 

@@ -51,6 +51,8 @@ from gateway.openai.responses import (
     ModelList,
 )
 from gateway.openai.schemas import (
+    OUTPUT_TOKENS_MARK,
+    TOKEN_ID_MARK,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
@@ -68,6 +70,7 @@ from gateway.openapi import (
     header,
 )
 from gateway.tenancy.admission import refusal_error, tenant_limits
+from runtime.engine_client import EngineInfo
 
 log = logging.getLogger(__name__)
 
@@ -117,20 +120,42 @@ def add_routes(router: web.UrlDispatcher) -> None:
 
 
 @functools.cache
-def openai_document(served_names: tuple[str, ...]) -> dict[str, Any]:
-    """The document, with `model` an enum of the names this server answers to."""
+def openai_document(info: EngineInfo) -> dict[str, Any]:
+    """The document with the loaded model's facts: `model` an enum of the names this server
+    answers to, token ids below the vocabulary size, output tokens within the context."""
     document = build_document("Conveyor OpenAI-compatible API", PREFIX, openai_routes(), BEARER_KEY)
-    model = {"type": "string", "enum": list(served_names), "title": "Model"}
+    model = {"type": "string", "enum": list(info.served_model_names), "title": "Model"}
     schemas = document["components"]["schemas"]
     for body in (CompletionRequest, ChatCompletionRequest):
         schemas[body.__name__]["properties"]["model"] = model
     (parameter,) = document["paths"][PREFIX + "/models/{model}"]["get"]["parameters"]
     parameter["schema"] = model
+    fill_marks(
+        document,
+        {
+            TOKEN_ID_MARK: info.vocab_size - 1,
+            OUTPUT_TOKENS_MARK: min(info.max_model_len, info.kv_capacity_tokens) - 1,
+        },
+    )
     return document
 
 
+def fill_marks(node: Any, maximum_of: dict[str, int]) -> None:
+    """Every schema carrying one of the marks gets its `maximum`, and loses the mark."""
+    if isinstance(node, list):
+        for item in node:
+            fill_marks(item, maximum_of)
+    if not isinstance(node, dict):
+        return
+    for mark, maximum in maximum_of.items():
+        if node.pop(mark, None):
+            node["maximum"] = maximum
+    for value in node.values():
+        fill_marks(value, maximum_of)
+
+
 async def openapi_document(request: web.Request) -> web.Response:
-    return web.json_response(openai_document(request.app[ENGINE_CLIENT].info.served_model_names))
+    return web.json_response(openai_document(request.app[ENGINE_CLIENT].info))
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:

@@ -10,10 +10,10 @@ here but accepted only with the value that changes nothing (`echo: false`, an em
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from gateway.errors import (
     APIError,
@@ -22,9 +22,21 @@ from gateway.errors import (
     field_path,
     from_validation_error,
 )
+from gateway.jsonbody import read_model
 from scheduler.request import MAX_N, SAMPLING_BOUNDS
 
 MAX_STOP_SEQUENCES = 16
+
+
+MAX_PROMPTS = 32
+
+
+# Facts of the loaded model, filled into the published document where these markers stand.
+TOKEN_ID_MARK = "x-token-id"  # maximum: the vocabulary size - 1
+OUTPUT_TOKENS_MARK = "x-output-tokens"  # maximum: the context length - 1 (a prompt takes one)
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N
@@ -50,9 +62,20 @@ ONLY_NEUTRAL_VALUES = {
 }
 
 
+def exactly_bool(value: Any) -> Any:
+    """`Literal[False]` alone would take 0 (0 == False)."""
+    if not isinstance(value, bool):
+        raise ValueError("Input should be a valid boolean")
+    return value
+
+
 def sampling_field(name: str, default: Any = None, **extra: Any) -> Any:
     """A pydantic field whose range is the engine's own (`scheduler.request.SAMPLING_BOUNDS`)."""
     return Field(default, **SAMPLING_BOUNDS[name].field_constraints(), **extra)
+
+
+def output_tokens_field() -> Any:
+    return sampling_field("max_tokens", json_schema_extra={OUTPUT_TOKENS_MARK: True})
 
 
 # ==== request bodies ==========================================================================
@@ -73,11 +96,11 @@ class ResponseFormatText(StrictBody):
 
 class SamplingFields(StrictBody):
     model: str
-    max_tokens: int | None = sampling_field("max_tokens")
+    max_tokens: int | None = output_tokens_field()
     temperature: float | None = sampling_field("temperature")
     top_p: float | None = sampling_field("top_p")
     n: int = sampling_field("n", 1)
-    stop: str | list[str] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = sampling_field("presence_penalty")
     frequency_penalty: float | None = sampling_field("frequency_penalty")
@@ -92,25 +115,28 @@ class SamplingFields(StrictBody):
     min_p: float | None = sampling_field("min_p")
     repetition_penalty: float | None = sampling_field("repetition_penalty")
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
 
     def stop_list(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise bad_request(f"at most {MAX_STOP_SEQUENCES} stop sequences", param="stop")
-        if not all(stops):
-            raise bad_request("stop sequences must not be empty", param="stop")
-        return stops
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(description="text, texts, token ids, or lists of token ids; with max_tokens "
+              "within the context length (else 400 context_length_exceeded)")  # fmt: skip
     logprobs: int | None = sampling_field("logprobs")
-    echo: Literal[False] = Field(False, description="not supported: only false is accepted")
+    echo: Annotated[Literal[False], BeforeValidator(exactly_bool)] = Field(
+        False, description="not supported: only false is accepted"
+    )
     suffix: str | None = Field(None, max_length=0, description="not supported: only empty")
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
 
@@ -133,9 +159,19 @@ class ChatMessage(StrictBody):
         return {"role": role, "content": self.content}
 
 
+TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}
+
+
 class ChatCompletionRequest(SamplingFields):
+    """`top_logprobs` needs `logprobs: true` (said in the schema as if/then)."""
+
+    model_config = ConfigDict(json_schema_extra=TOP_LOGPROBS_NEED_LOGPROBS)
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = sampling_field("max_tokens")
+    max_completion_tokens: int | None = output_tokens_field()
     logprobs: bool = False
     top_logprobs: int | None = sampling_field("logprobs")
     response_format: ResponseFormatText | None = Field(
@@ -145,13 +181,7 @@ class ChatCompletionRequest(SamplingFields):
 
 # ==== reading a body ============================================================================
 async def read_body(request: web.Request, body_type: type[StrictBody]) -> Any:
-    raw = await request.read()  # over --max-body-bytes: aiohttp raises 413
-    if not raw.strip():
-        raise bad_request("The request body is empty; send a JSON object.")
-    try:
-        return body_type.model_validate_json(raw)
-    except ValidationError as error:
-        raise body_error(error) from None
+    return await read_model(request, body_type, body_error)
 
 
 def body_error(error: ValidationError) -> APIError:
