@@ -69,7 +69,11 @@ COMMON_ERRORS = {
     431: "a request header over the size limit, or too many headers",
     500: "an error of the server (never caused by the request)",
 }
-AUTH_ERRORS = {401: "no key, or a key that is not valid", 403: "not allowed with this key"}
+KEY_ERRORS = {401: "no API key, or one unknown, revoked or of a disabled tenant"}
+AUTH_ERRORS = {
+    401: "no admin token, or one that is not valid",
+    403: "a tenant key, or no admin tokens configured",
+}
 RATE_LIMIT_ERRORS = {429: "over a rate limit, quota or concurrency limit of the tenant"}
 DRAINING_ERRORS = {503: "draining for a shutdown, overloaded, or the key store is unreachable"}
 

@@ -60,9 +60,9 @@ from gateway.openai.schemas import (
 )
 from gateway.openai.tracking import Tracker, admitted
 from gateway.openapi import (
-    AUTH_ERRORS,
     BEARER_KEY,
     DRAINING_ERRORS,
+    KEY_ERRORS,
     RATE_LIMIT_ERRORS,
     RATE_LIMIT_HEADERS,
     Route,
@@ -85,8 +85,8 @@ OWN_REQUEST_LINK = {
     }
 }
 NOT_FOUND = {404: "the model (or the request) does not exist"}
-GENERATES = {**AUTH_ERRORS, **NOT_FOUND, **RATE_LIMIT_ERRORS, **DRAINING_ERRORS}
-COUNTED = {**AUTH_ERRORS, **RATE_LIMIT_ERRORS, 503: "the key store is unreachable"}
+GENERATES = {**KEY_ERRORS, **NOT_FOUND, **RATE_LIMIT_ERRORS, **DRAINING_ERRORS}
+COUNTED = {**KEY_ERRORS, **RATE_LIMIT_ERRORS, 503: "the key store is unreachable"}
 PRIORITY_HEADER = {"x-conveyor-priority": header("the priority it ran at", "integer")}
 
 
@@ -109,7 +109,7 @@ def openai_routes() -> list[Route]:
         Route("GET", "/requests/{request_id}", own_request,
               "One of your requests: its audit record, events and the explanation of its delays",
               responses={200: RequestDetailOut}, path_schemas={"request_id": REQUEST_ID_SCHEMA},
-              errors={**AUTH_ERRORS, **NOT_FOUND, 503: "the key store is unreachable"}),
+              errors={**KEY_ERRORS, **NOT_FOUND, 503: "the key store is unreachable"}),
     ]  # fmt: skip
 
 
