@@ -98,7 +98,12 @@ def is_field_name(part: str | int) -> bool:
     """Pydantic puts union members ("str", "list[int]", "TextPart") into error locations."""
     if isinstance(part, int):
         return True
-    return part not in TYPE_TAGS and "[" not in part and not part[:1].isupper()
+    return (
+        part not in TYPE_TAGS
+        and "[" not in part
+        and "-" not in part  # "constrained-str", "function-after[...]"
+        and not part[:1].isupper()
+    )
 
 
 def deepest_problem(error: ValidationError) -> dict[str, Any]:

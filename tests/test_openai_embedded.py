@@ -267,7 +267,7 @@ MALFORMED = [
     ("top_logprobs alone", CHAT, chat_body(top_logprobs=2), 400, None, "top_logprobs"),
     ("seed too large", COMPLETIONS, completion_body(seed=2**70), 400, None, "seed"),
     ("token id out of vocab", COMPLETIONS, completion_body(prompt=[10**9]), 400, None, "prompt"),
-    ("negative token id", COMPLETIONS, completion_body(prompt=[-1]), 400, None, "prompt"),
+    ("negative token id", COMPLETIONS, completion_body(prompt=[-1]), 400, None, "prompt.0"),
     ("empty prompt", COMPLETIONS, completion_body(prompt=""), 400, None, "prompt"),
     ("prompt over context", COMPLETIONS, completion_body(prompt=TOO_LONG_PROMPT), 400, "context_length_exceeded", "prompt"),
     ("prompt + max_tokens over context", COMPLETIONS, completion_body(prompt=[100] * 1000, max_tokens=100), 400, "context_length_exceeded", "prompt"),
