@@ -36,10 +36,12 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, dict(headers or {})
+        self.close_connection = close_connection  # the rest of the request cannot be trusted
 
     def body(self) -> dict[str, Any]:
         return {
@@ -52,7 +54,10 @@ class APIError(Exception):
         }
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 # ---- the errors handlers raise --------------------------------------------------------------
@@ -135,6 +140,7 @@ def from_validation_error(error: ValidationError) -> APIError:
 HTTP_ERROR_CODES = {
     400: "bad_request",
     404: "not_found",
+    408: "request_timeout",
     405: "method_not_allowed",
     413: "request_too_large",
     414: "uri_too_long",
@@ -198,6 +204,10 @@ def error_middleware():
             if error.status < 400:
                 raise
             return from_http_exception(error).response()
+        except (http_exceptions.HttpProcessingError, web_protocol.RequestPayloadError) as error:
+            error = protocol_error(400, error, 0)
+            error.close_connection = True
+            return error.response()
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
             return internal_error().response()
@@ -224,6 +234,9 @@ def protocol_error(status: int, exc: BaseException | None, line_limit: int) -> A
         return APIError(405, "Unknown HTTP method.", code=HTTP_ERROR_CODES[405])
     if isinstance(exc, http_exceptions.HttpProcessingError):
         message = f"Malformed HTTP request: {exc.message}"
+        return APIError(400, message, code=HTTP_ERROR_CODES[400])
+    if isinstance(exc, web_protocol.RequestPayloadError):  # e.g. a body that is not gzip
+        message = f"The request body could not be decoded: {exc.__cause__ or exc}".strip()
         return APIError(400, message, code=HTTP_ERROR_CODES[400])
     if status == 504:
         return APIError(504, "The request timed out.", type=SERVER_ERROR, code="timeout")

@@ -8,6 +8,7 @@ validated strictly: `4.0` is a fine `n`, `"4"` and `true` are not.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,6 +19,8 @@ from pydantic import BaseModel, ValidationError
 from gateway.errors import APIError, bad_request, from_validation_error
 
 Model = TypeVar("Model", bound=BaseModel)
+
+BODY_READ_TIMEOUT_S = 30.0  # a body that does not arrive (shorter than its Content-Length): 408
 
 
 def integral_numbers_as_ints(value: Any) -> Any:
@@ -39,13 +42,21 @@ def parse_json(raw: bytes) -> Any:
         raise bad_request(f"We could not parse the JSON body of your request: {error}") from None
 
 
+async def read_raw(request: web.Request) -> bytes:
+    """The body; over the app's client_max_size aiohttp raises 413."""
+    try:
+        return await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        message = f"The request body did not arrive within {BODY_READ_TIMEOUT_S:g} s."
+        raise APIError(408, message, code="request_timeout", close_connection=True) from None
+
+
 async def read_model(
     request: web.Request,
     model: type[Model],
     error_of: Callable[[ValidationError], APIError] = from_validation_error,
 ) -> Model:
-    raw = await request.read()  # over the app's client_max_size: aiohttp raises 413
-    data = parse_json(raw)
+    data = parse_json(await read_raw(request))
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as error:

@@ -64,6 +64,7 @@ ERROR_HEADERS = {
 COMMON_ERRORS = {
     400: "a malformed request (HTTP syntax, JSON, a value out of range)",
     405: "a method the path does not answer",
+    408: "a body that did not arrive in time",
     413: "a body over --max-body-bytes",
     414: "a request line over the limit",
     431: "a request header over the size limit, or too many headers",

@@ -125,6 +125,31 @@ def test_unknown_routes_and_methods_with_a_key(server, key, method, target, stat
     assert_openai_error(*exchange(server, request_bytes(method, target, auth(key))), status)
 
 
+@pytest.mark.parametrize(
+    "headers, body",
+    [
+        ({"Content-Encoding": "gzip", "Content-Length": "10"}, b"0123456789"),
+        ({"Content-Encoding": "br", "Content-Length": "10"}, b"0123456789"),
+        ({"Transfer-Encoding": "chunked"}, b"zz\r\nabc\r\n0\r\n\r\n"),
+        ({"Transfer-Encoding": "chunked", "Content-Length": "5"}, b"0\r\n\r\n"),
+    ],
+    ids=["not gzip", "not brotli", "bad chunk size", "both lengths"],
+)
+def test_undecodable_bodies_are_400(server, key, headers, body):
+    raw = request_bytes("POST", "/v1/completions", {**auth(key), **headers}) + body
+    error = assert_openai_error(*exchange(server, raw), 400)
+    assert error["code"] == "bad_request"
+
+
+def test_a_gzip_bomb_is_413(server, key):
+    import gzip
+
+    bomb = gzip.compress(b" " * (50 << 20))  # 50 MiB of spaces in 50 kB
+    headers = {**auth(key), "Content-Encoding": "gzip"}
+    raw = request_bytes("POST", "/v1/completions", headers, bomb)
+    assert_openai_error(*exchange(server, raw), 413)
+
+
 def test_the_server_still_answers_after_the_hostile_cases(server, key):
     status, _, body = exchange(server, request_bytes(headers=auth(key)))
     assert status == 200 and json.loads(body)["data"]

@@ -124,6 +124,33 @@ async def test_unexpected_errors_become_a_generic_500_without_details(caplog):
     assert "secret internals" in caplog.text  # logged for the operator, not sent
 
 
+async def test_a_body_that_never_arrives_is_a_408_and_integral_numbers_are_integers(monkeypatch):
+    import asyncio
+
+    from gateway import jsonbody
+
+    monkeypatch.setattr(jsonbody, "BODY_READ_TIMEOUT_S", 0.3)
+
+    async def echo(request):
+        body = await jsonbody.read_model(request, Body)
+        return web.json_response(body.model_dump())
+
+    app = web.Application(middlewares=[request_id_middleware(), error_middleware()])
+    app.router.add_post("/echo", echo)
+    async with TestServer(app) as server:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(4096), 5)  # no hang: the server answers
+        writer.close()
+        await writer.wait_closed()
+        async with TestClient(server) as client:
+            integral = await client.post("/echo", data=b'{"prompt": "x", "n": 2.0}')
+            integral_body = await integral.json()
+    assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer
+    assert integral.status == 200 and integral_body["n"] == 2
+
+
 # ---- --served-model-name ------------------------------------------------------------------------
 def test_served_model_names_come_from_the_flag_or_the_environment(monkeypatch):
     assert serve_settings().served_model_name is None
