@@ -225,6 +225,7 @@ BODY_CASES = [
     ("non-UTF-8 inside a string", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\xc3\x28"}]}', 400, None, None),
     ("lone surrogate escape", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', 400, None, None),
     ("too many prompts", COMPLETIONS, completion(prompt=["a"] * 33), 400, None, "prompt"),
+    ("the most sequences, alone", COMPLETIONS, completion(prompt=["a"] * 32, n=8, max_tokens=1), 200, None, None),
     ("over-long prompt", COMPLETIONS, completion(prompt="hello " * 5000), 400, "context_length_exceeded", "prompt"),
     ("unknown model", COMPLETIONS, completion(model="gpt-4"), 404, "model_not_found", "model"),
     ("the directory name is not served", COMPLETIONS, completion(model="tiny-llama0"), 404, "model_not_found", "model"),
