@@ -224,6 +224,7 @@ BODY_CASES = [
     ("deeply nested prompt", COMPLETIONS, DEEP, 400, None, None),
     ("non-UTF-8 inside a string", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\xc3\x28"}]}', 400, None, None),
     ("lone surrogate escape", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', 400, None, None),
+    ("a text of no tokens", COMPLETIONS, completion(prompt=["\u0006", "hi"]), 200, None, None),
     ("too many prompts", COMPLETIONS, completion(prompt=["a"] * 33), 400, None, "prompt"),
     ("the most sequences, alone", COMPLETIONS, completion(prompt=["a"] * 32, n=8, max_tokens=1), 200, None, None),
     ("over-long prompt", COMPLETIONS, completion(prompt="hello " * 5000), 400, "context_length_exceeded", "prompt"),

@@ -171,9 +171,21 @@ def make_plan(
 
 # ---- prompts ---------------------------------------------------------------------------------
 async def tokenize(engine, text: str) -> list[int]:
+    """A text that comes to no tokens at all (e.g. a lone control character) starts a new
+    document, as OpenAI's completions do without a prompt: from the end-of-text token."""
     if len(text) > LONG_PROMPT_CHARS:
-        return await asyncio.to_thread(engine.tokenizer.encode, text)
-    return engine.tokenizer.encode(text)
+        token_ids = await asyncio.to_thread(engine.tokenizer.encode, text)
+    else:
+        token_ids = engine.tokenizer.encode(text)
+    return token_ids or document_start(engine.tokenizer)
+
+
+def document_start(tokenizer) -> list[int]:
+    hf = tokenizer.hf_tokenizer
+    for token_id in (hf.bos_token_id, *tokenizer.eos_token_ids):
+        if token_id is not None:
+            return [token_id]
+    return [0]
 
 
 async def completion_prompts(engine, body: CompletionRequest) -> list[list[int]]:
