@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint generate services model clean
+.PHONY: install serve test lint generate services model clean fuzz
 
 install: $(STAMP)
 
@@ -38,6 +38,14 @@ lint: install
 
 test: install services lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# schemathesis over /v1/openapi.json and /admin/openapi.json against a tiny-model server, every
+# check, a random seed; FUZZ_SECONDS per document (`make test` runs 30 s each, a fixed seed)
+FUZZ_SECONDS ?= 600
+FUZZ_SEED ?= random
+fuzz: install services
+	CONVEYOR_FUZZ_SECONDS=$(FUZZ_SECONDS) CONVEYOR_FUZZ_SEED=$(FUZZ_SEED) \
+	  $(VENV)/bin/pytest -q -s -p no:cacheprovider --timeout 0 tests/test_openapi_fuzz.py
 
 generate: install
 	$(VENV)/bin/conveyor generate --input docs/examples/requests.jsonl --output /tmp/conveyor-generate.jsonl

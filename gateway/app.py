@@ -35,6 +35,7 @@ from gateway.appkeys import (
 )
 from gateway.audit import retention
 from gateway.errors import (
+    HANDLER_ARGS,
     add_request_id_header,
     error_middleware,
     invalid_api_key,
@@ -55,6 +56,7 @@ REDIS_PING_TIMEOUT_S = 1.0
 def create_app(settings: ServeSettings) -> web.Application:
     app = web.Application(
         client_max_size=settings.max_body_bytes,
+        handler_args=HANDLER_ARGS,
         middlewares=[request_id_middleware(), error_middleware(), auth_middleware()],
     )
     app[SETTINGS] = settings
@@ -147,7 +149,9 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
     client.start()
     app[ENGINE_CLIENT] = client
     log.info(
-        "model %s loaded: %d KV blocks", engine.model_name, engine.block_manager.num_gpu_blocks
+        "model %s loaded: %d KV blocks",
+        ", ".join(client.info.served_model_names),
+        engine.block_manager.num_gpu_blocks,
     )
     yield
     await asyncio.to_thread(client.stop)
@@ -177,11 +181,12 @@ async def create_demo_tenant_if_none(app: web.Application) -> str | None:
 
 
 def print_demo_instructions(settings: ServeSettings, plaintext: str) -> None:
-    from runtime.model_loader import served_model_name
+    from runtime.model_loader import served_model_names
 
+    model_name = served_model_names(settings.model, settings.served_model_name)[0]
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     body = (
-        f'{{"model": "{served_model_name(settings.model)}", '
+        f'{{"model": "{model_name}", '
         '"messages": [{"role": "user", "content": "Say hello!"}], "max_tokens": 32}'
     )
     curl = (

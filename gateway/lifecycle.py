@@ -31,6 +31,7 @@ import time
 from aiohttp import web
 
 from gateway.appkeys import ENGINE_CLIENT, SERVING_STATE
+from gateway.errors import JsonErrorAppRunner
 from gateway.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ async def serve(app: web.Application, settings: ServeSettings) -> None:
     """Start the app (model load included), serve until a signal, drain, clean up."""
     lifecycle = Lifecycle(app, settings.drain_timeout)
     lifecycle.install_signal_handlers()  # a signal during the model load stops after it
-    runner = web.AppRunner(
+    runner = JsonErrorAppRunner(
         app,
         handle_signals=False,
         handler_cancellation=True,

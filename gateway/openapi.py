@@ -1,9 +1,12 @@
-"""OpenAPI 3.1 documents built from the same pydantic models the handlers validate with.
+"""OpenAPI 3.1 documents built from the same pydantic models the handlers validate with and
+answer with.
 
-Each route is declared once as a `Route` (method, path, handler, body/query/response models);
-the app registers the handlers from that table and the document is rendered from it, so the
-document cannot drift from what the server accepts (`gateway.admin.routes` for `/admin`,
-`gateway.openai.routes` for `/v1`).
+Each route is declared once as a `Route` (method, path, handler, body/query/response models, the
+errors it may answer, the headers it sends, links to other operations); the app registers the
+handlers from that table and the document is rendered from it, so the document cannot drift
+from what the server accepts and answers (`gateway.admin.routes` for `/admin`,
+`gateway.openai.routes` for `/v1`). Errors every route may answer (a malformed request, an
+oversized body or header, an unknown method) are declared on every operation.
 """
 
 from __future__ import annotations
@@ -37,6 +40,45 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+# ---- headers and errors the server sends -------------------------------------------------------
+def header(description: str, schema_type: str = "string") -> dict[str, Any]:
+    return {"description": description, "schema": {"type": schema_type}}
+
+
+REQUEST_ID_HEADER = {"x-request-id": header("this request's id; finds its audit record")}
+RETRY_AFTER_HEADER = {"Retry-After": header("seconds to wait before retrying", "integer")}
+RATE_LIMIT_HEADERS = {
+    "x-ratelimit-limit-requests": header("the tenant's requests per minute", "integer"),
+    "x-ratelimit-remaining-requests": header("requests still admissible now", "integer"),
+    "x-ratelimit-reset-requests": header("time until one more request is admissible, e.g. 1s"),
+    "x-ratelimit-limit-tokens": header("the tenant's tokens per minute", "integer"),
+    "x-ratelimit-remaining-tokens": header("tokens still admissible now", "integer"),
+    "x-ratelimit-reset-tokens": header("time until the tokens are admissible again, e.g. 6ms"),
+}
+ERROR_HEADERS = {
+    429: {**RETRY_AFTER_HEADER, **RATE_LIMIT_HEADERS},
+    503: RETRY_AFTER_HEADER,
+    405: {"Allow": header("the methods this path answers")},
+}
+# Every operation may answer these: aiohttp and the middlewares send them before any handler.
+COMMON_ERRORS = {
+    400: "a malformed request (HTTP syntax, JSON, a value out of range)",
+    405: "a method the path does not answer",
+    408: "a body that did not arrive in time",
+    413: "a body over --max-body-bytes",
+    414: "a request line over the limit",
+    431: "a request header over the size limit, or too many headers",
+    500: "an error of the server (never caused by the request)",
+}
+KEY_ERRORS = {401: "no API key, or one unknown, revoked or of a disabled tenant"}
+AUTH_ERRORS = {
+    401: "no admin token, or one that is not valid",
+    403: "a tenant key, or no admin tokens configured",
+}
+RATE_LIMIT_ERRORS = {429: "over a rate limit, quota or concurrency limit of the tenant"}
+DRAINING_ERRORS = {503: "draining for a shutdown, overloaded, or the key store is unreachable"}
+
+
 @dataclass(frozen=True)
 class Route:
     method: str
@@ -46,9 +88,16 @@ class Route:
     body: type[BaseModel] | None = None
     query: type[BaseModel] | None = None
     responses: dict[int, type[BaseModel] | None] = field(default_factory=dict)
-    path_types: dict[str, str] = field(default_factory=dict)  # name -> JSON type, default string
+    path_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # default: a string
     streams: type[BaseModel] | None = None  # SSE chunk model when `stream: true`
     tag: str = ""
+    errors: dict[int, str] = field(default_factory=dict)  # status -> when, beyond COMMON_ERRORS
+    headers: dict[str, dict[str, Any]] = field(default_factory=dict)  # on success responses
+    links: dict[str, dict[str, Any]] = field(default_factory=dict)  # on the first 2xx response
+
+    @property
+    def operation_id(self) -> str:
+        return f"{self.method.lower()}_{self.handler.__name__ if self.handler else ''}"
 
 
 def add_routes(app: web.Application, routes: Sequence[Route]) -> None:
@@ -93,7 +142,7 @@ def operation_of(route: Route, definitions: dict[str, Any]) -> dict[str, Any]:
     keyed = definitions["keyed"]
     operation: dict[str, Any] = {
         "summary": route.summary,
-        "operationId": f"{route.method.lower()}_{route.handler.__name__ if route.handler else ''}",
+        "operationId": route.operation_id,
         "parameters": path_parameters(route) + query_parameters(route),
         "responses": {},
     }
@@ -108,25 +157,48 @@ def operation_of(route: Route, definitions: dict[str, Any]) -> dict[str, Any]:
     for status, model in route.responses.items():
         operation["responses"][str(status)] = response_of(route, status, model, keyed)
     error_ref = keyed[(ErrorBody, "serialization")]
-    operation["responses"]["default"] = {
-        "description": "An error",
-        "content": {"application/json": {"schema": error_ref}},
-    }
+    for status, when in sorted({**COMMON_ERRORS, **route.errors}.items()):
+        operation["responses"][str(status)] = error_response(status, when, error_ref)
     return operation
 
 
+def error_response(status: int, when: str, error_ref: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "description": when,
+        "headers": {**REQUEST_ID_HEADER, **ERROR_HEADERS.get(status, {})},
+        "content": {"application/json": {"schema": error_ref}},
+    }
+
+
 def response_of(route: Route, status: int, model, keyed) -> dict[str, Any]:
+    headers = {**REQUEST_ID_HEADER, **route.headers}
     if model is None:
-        return {"description": "No content"}
+        return {"description": "No content", "headers": headers}
     content = {"application/json": {"schema": keyed[(model, "serialization")]}}
     if route.streams is not None:
-        chunk = keyed[(route.streams, "serialization")]
-        content["text/event-stream"] = {
-            "schema": {"type": "string", "description": "`data: <chunk JSON>` lines, then "
-                       "`data: [DONE]`"},
-            "x-chunk-schema": chunk,
-        }  # fmt: skip
-    return {"description": "OK", "content": content}
+        content["text/event-stream"] = {"schema": sse_event_schema(route, keyed)}
+    response = {"description": "OK", "headers": headers, "content": content}
+    if route.links and status == min(route.responses):
+        response["links"] = route.links
+    return response
+
+
+def sse_event_schema(route: Route, keyed) -> dict[str, Any]:
+    """One event of a `stream: true` answer (Open API 3.1: `schema` describes each event): its
+    `data` is a chunk as JSON, an error as JSON (in-band, once the headers are gone), or the
+    closing `[DONE]`."""
+    chunk = keyed[(route.streams, "serialization")]
+    error = keyed[(ErrorBody, "serialization")]
+    as_json = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [chunk, error]},
+    }
+    return {
+        "type": "object",
+        "properties": {"data": {"anyOf": [as_json, {"const": "[DONE]"}]}},
+        "required": ["data"],
+    }
 
 
 def path_parameters(route: Route) -> list[dict[str, Any]]:
@@ -135,7 +207,7 @@ def path_parameters(route: Route) -> list[dict[str, Any]]:
             "name": name,
             "in": "path",
             "required": True,
-            "schema": {"type": route.path_types.get(name, "string")},
+            "schema": route.path_schemas.get(name, {"type": "string"}),
         }
         for name in PATH_PARAM.findall(route.path)
     ]

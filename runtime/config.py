@@ -4,10 +4,11 @@ the `CONVEYOR_*` variables of `serve`."""
 from __future__ import annotations
 
 import argparse
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import NoDecode
 
 from runtime.flags import add_flags, model_values
 from scheduler.config import POLICIES, PREEMPTION_MODES
@@ -32,6 +33,11 @@ class EngineConfig(BaseModel):
 
     model: str | None = Field(
         None, description="HF model dir or .gguf (default: SmolLM2-135M-Instruct)"
+    )
+    served_model_name: Annotated[list[str] | None, NoDecode] = Field(
+        None,
+        description="names /v1/models lists and requests may use (default: from --model)",
+        json_schema_extra={"nargs": "+", "metavar": "NAME"},
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on CUDA and on CPUs with avx512_bf16, else float32"
@@ -90,6 +96,14 @@ class EngineConfig(BaseModel):
         if device.type == "cuda" or cpu_supports_bf16():
             return torch.bfloat16
         return torch.float32
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def split_names(cls, value: object) -> object:
+        """`CONVEYOR_SERVED_MODEL_NAME="a b"` or `a,b`; empty: derived from the model."""
+        if isinstance(value, str):
+            return value.replace(",", " ").split() or None
+        return value
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

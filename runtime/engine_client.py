@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from runtime.engine import Engine, RequestOutput
+from runtime.model_loader import served_model_names
 from runtime.tokenizer import Tokenizer
 from scheduler.request import Request, SamplingParams
 
@@ -38,11 +39,29 @@ _ids = itertools.count()
 # ---- what the gateway may read ------------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineInfo:
-    """Facts fixed when the model is loaded."""
+    """Facts fixed when the model is loaded: all the gateway needs to validate a request once,
+    on its side, so that the engine can trust what it is given."""
 
-    model_name: str
+    served_model_names: tuple[str, ...]  # --served-model-name; the first leads
     max_model_len: int
     vocab_size: int
+    kv_capacity_tokens: int  # the whole device KV cache: a longer prompt can never run
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineInfo:
+        blocks = engine.block_manager
+        return cls(
+            served_model_names=served_model_names(
+                engine.config.model, engine.config.served_model_name
+            ),
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.tokenizer.vocab_size,
+            kv_capacity_tokens=blocks.num_gpu_blocks * blocks.block_size,
+        )
 
 
 @dataclass(frozen=True)
@@ -162,11 +181,7 @@ class EngineClient:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self.info = EngineInfo(
-            model_name=engine.model_name,
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.tokenizer.vocab_size,
-        )
+        self.info = EngineInfo.of(engine)
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wakeup = threading.Event()
@@ -193,10 +208,6 @@ class EngineClient:
         """Thread-safe: encoding and decoding keep no state between calls."""
         return self._engine.tokenizer
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises RequestError for what the engine could never run (reads only fixed facts)."""
-        self._engine.validate(prompt_token_ids, params)
-
     def submit(
         self,
         prompt_token_ids: list[int],
@@ -206,9 +217,11 @@ class EngineClient:
         tenant: str = "default",
         weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
-        """Validates now (raises RequestError) and returns the request's stream of outputs;
-        closing the stream before it finishes aborts the request."""
-        self.validate(prompt_token_ids, params)
+        """The request's stream of outputs; closing it before it finishes aborts the request.
+
+        Nothing is validated here, on the event loop: callers check a request against `info`
+        first (the gateway does, once); what the engine still refuses (`Engine.add_request`
+        checks on its own thread) ends the stream with a RequestError."""
         request_id = request_id or f"req-{next(_ids)}"
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)

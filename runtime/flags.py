@@ -55,7 +55,9 @@ def add_flag(group, name: str, info: FieldInfo, defaults: bool) -> None:
     if extra.get("lowercase"):
         kind = str.lower
     elif typing.get_origin(kind) is list:
-        kind = str  # a comma-separated list, split by the model's validator
+        kind = str  # one value per flag word (nargs) or a comma-separated list, split by the model
+    if "nargs" in extra:
+        options["nargs"] = extra["nargs"]
     options["type"] = kind
     if "metavar" in extra:
         options["metavar"] = extra["metavar"]

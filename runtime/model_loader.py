@@ -53,6 +53,12 @@ def served_model_name(model: str | os.PathLike | None) -> str:
     return name.removesuffix(".gguf")
 
 
+def served_model_names(model: str | os.PathLike | None, names: list[str] | None) -> tuple[str, ...]:
+    """`--served-model-name` as given, else the one name derived from `model`; the first is the
+    name responses and listings lead with."""
+    return tuple(names) if names else (served_model_name(model),)
+
+
 def file_digest(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:

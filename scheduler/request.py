@@ -34,7 +34,59 @@ FINISH_REASONS = {
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter out of range; the message names the field."""
+    """A sampling parameter out of range; the message and `param` name the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"'{param}' {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range of one sampling parameter: [low, high], either end open or absent. The one
+    declaration that `SamplingParams.validate` and the HTTP API's pydantic fields both read."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        if value != value:  # NaN
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        low = "-inf" if self.low is None else f"{self.low:g}"
+        high = "inf" if self.high is None else f"{self.high:g}"
+        return f"must be in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+    def field_constraints(self) -> dict[str, float]:
+        """pydantic `Field` keywords: ge/gt, le/lt."""
+        constraints = {}
+        if self.low is not None:
+            constraints["gt" if self.low_open else "ge"] = self.low
+        if self.high is not None:
+            constraints["lt" if self.high_open else "le"] = self.high
+        return constraints
+
+
+MAX_N = 8
+MAX_LOGPROBS = 20
+SAMPLING_BOUNDS: dict[str, Bound] = {
+    "max_tokens": Bound(1),
+    "temperature": Bound(0.0, 2.0),
+    "top_p": Bound(0.0, 1.0, low_open=True),
+    "top_k": Bound(-1),  # -1 or 0: off
+    "min_p": Bound(0.0, 1.0),
+    "presence_penalty": Bound(-2.0, 2.0),
+    "frequency_penalty": Bound(-2.0, 2.0),
+    "repetition_penalty": Bound(0.0, 10.0, low_open=True),
+    "logprobs": Bound(0, MAX_LOGPROBS),
+    "n": Bound(1, MAX_N),
+}
 
 
 @dataclass
@@ -67,25 +119,14 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
     def validate(self, vocab_size: int | None = None) -> None:
-        checks = [
-            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
-            ("temperature", 0.0 <= self.temperature <= 100.0, "must be between 0 and 100"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 0, "must be -1, 0 or positive"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
-            ("n", 1 <= self.n <= 8, "must be between 1 and 8"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-        ]
-        if vocab_size is not None:
-            ok = all(0 <= t < vocab_size for t in self.stop_token_ids)
-            checks.append(("stop_token_ids", ok, f"must be token ids below {vocab_size}"))
-        for name, ok, message in checks:
-            if not ok:
-                raise SamplingParamsError(f"'{name}' {message}")
+        for name, bound in SAMPLING_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not bound.contains(value):
+                raise SamplingParamsError(name, bound.describe())
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise SamplingParamsError("stop", "must be non-empty strings")
+        if vocab_size is not None and not all(0 <= t < vocab_size for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", f"must be token ids below {vocab_size}")
 
 
 _request_counter = itertools.count()

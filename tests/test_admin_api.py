@@ -229,7 +229,8 @@ def test_tenant_crud(server):
     tenant_id = tenant["id"]
     assert admin(server, "POST", "/tenants", {"name": name}).status == 409
     bad = admin(server, "POST", "/tenants", {"name": "x-" + name, "max_priority": 5})
-    assert bad.status == 400 and "max_priority" in bad.body["error"]["message"]
+    assert bad.status == 409 and "max_priority" in bad.body["error"]["message"]
+    assert bad.body["error"]["code"] == "conflicting_fields"
     assert admin(server, "POST", "/tenants", {"name": "y-" + name, "color": "red"}).status == 400
     assert any(t["id"] == tenant_id for t in admin(server, "GET", "/tenants").body["items"])
     assert admin(server, "GET", f"/tenants/{tenant_id}").body["name"] == name
@@ -237,7 +238,7 @@ def test_tenant_crud(server):
     assert patched.status == 200, patched.raw
     assert patched.body["rpm"] is None and patched.body["weight"] == 2.5
     assert patched.body["default_priority"] == 3  # untouched
-    assert admin(server, "PATCH", f"/tenants/{tenant_id}", {"max_priority": 9}).status == 400
+    assert admin(server, "PATCH", f"/tenants/{tenant_id}", {"max_priority": 9}).status == 409
     assert admin(server, "PATCH", f"/tenants/{tenant_id}", {"rpm": 0}).status == 400
     assert tenant["burst"] == 0  # no extra unless set
     with_burst = admin(server, "PATCH", f"/tenants/{tenant_id}", {"burst": 5})
@@ -248,6 +249,47 @@ def test_tenant_crud(server):
     assert admin(server, "GET", f"/tenants/{tenant_id}").status == 404
     assert admin(server, "GET", "/tenants/abc").status == 404
     assert admin(server, "DELETE", f"/tenants/{tenant_id}").status == 404
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/tenants/6668985349892447482029277184"),
+        ("DELETE", "/keys/42255808085988200153088"),
+        ("PATCH", "/tenants/2147483648"),
+        ("POST", "/tenants/%C2%B2/keys"),  # a digit, but not an ASCII one
+        ("GET", "/tenants/-1/usage"),
+        ("GET", "/requests/%00"),
+        ("GET", "/requests/" + "a" * 500),
+    ],
+)
+def test_ids_out_of_range_are_404_before_sql(server, method, path):
+    reply = admin(server, method, path, {} if method == "PATCH" else None)
+    assert reply.status == 404, reply.raw
+    assert reply.body["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"name": "strict-a", "enabled": "no"}, "enabled"),
+        ({"name": "strict-b", "enabled": 0}, "enabled"),
+        ({"name": "strict-c", "rpm": "60"}, "rpm"),
+        ({"name": "strict-d", "weight": "2"}, "weight"),
+    ],
+)
+def test_tenant_fields_are_strict(server, body, param):
+    reply = admin(server, "POST", "/tenants", body)
+    assert reply.status == 400, reply.raw
+    assert reply.body["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "query", ["priority=14047560797637867520", "tenant_id=99999999999", "status=", "status=x"]
+)
+def test_audit_filters_out_of_range_are_400(server, query):
+    reply = admin(server, "GET", f"/requests?{query}")
+    assert reply.status == 400, reply.raw
 
 
 def test_keys_are_shown_once_and_revoking_or_disabling_takes_effect(server):
@@ -574,7 +616,8 @@ def test_a_forced_preemption_is_explained_with_its_cause(sqlite_server):
         urgent = complete(server, high_key, prompt="Hello there, how are you? " * 6, max_tokens=5)
         assert urgent.status == 200
         rest = stream.read().decode()
-    assert '"finish_reason": "length"' in rest
+    events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
 
     detail = audit_detail(server, low_id).body
     record = detail["record"]

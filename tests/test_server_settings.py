@@ -171,3 +171,67 @@ async def test_unexpected_errors_become_a_generic_500_without_details(caplog):
     assert missing.status == 404
     assert missing_body["error"]["code"] == "not_found"
     assert "secret internals" in caplog.text  # logged for the operator, not sent
+
+
+async def test_a_body_that_never_arrives_is_a_408_and_integral_numbers_are_integers(monkeypatch):
+    import asyncio
+
+    from gateway import jsonbody
+
+    monkeypatch.setattr(jsonbody, "BODY_READ_TIMEOUT_S", 0.3)
+
+    async def echo(request):
+        body = await jsonbody.read_model(request, Body)
+        return web.json_response(body.model_dump())
+
+    app = web.Application(middlewares=[request_id_middleware(), error_middleware()])
+    app.router.add_post("/echo", echo)
+    async with TestServer(app) as server:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(4096), 5)  # no hang: the server answers
+        writer.close()
+        await writer.wait_closed()
+        async with TestClient(server) as client:
+            integral = await client.post("/echo", data=b'{"prompt": "x", "n": 2.0}')
+            integral_body = await integral.json()
+    assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer
+    assert integral.status == 200 and integral_body["n"] == 2
+
+
+# ---- --served-model-name ------------------------------------------------------------------------
+def test_served_model_names_come_from_the_flag_or_the_environment(monkeypatch):
+    assert serve_settings().served_model_name is None
+    flagged = serve_settings("--served-model-name", "smol", "gpt-4o-mini")
+    assert flagged.served_model_name == ["smol", "gpt-4o-mini"]
+    assert flagged.engine_config().served_model_name == ["smol", "gpt-4o-mini"]
+    monkeypatch.setenv("CONVEYOR_SERVED_MODEL_NAME", "a, b c")
+    assert serve_settings().served_model_name == ["a", "b", "c"]
+    monkeypatch.setenv("CONVEYOR_SERVED_MODEL_NAME", "")
+    assert serve_settings().served_model_name is None
+
+
+def test_the_default_served_name_is_derived_from_the_model():
+    from runtime.model_loader import served_model_names
+
+    assert served_model_names("/models/my-llama", None) == ("my-llama",)
+    assert served_model_names("/x/SmolLM2.Q4.gguf", []) == ("SmolLM2.Q4",)
+    assert served_model_names("/models/my-llama", ["a", "b"]) == ("a", "b")
+
+
+# ---- one declaration of the sampling ranges -----------------------------------------------------
+@pytest.mark.parametrize("name", ["temperature", "top_p", "n", "logprobs", "presence_penalty"])
+def test_the_api_and_the_engine_read_the_same_sampling_bounds(name):
+    from gateway.openai.schemas import CompletionRequest
+    from scheduler.request import SAMPLING_BOUNDS, SamplingParams, SamplingParamsError
+
+    bound = SAMPLING_BOUNDS[name]
+    schema = CompletionRequest.model_json_schema()["properties"][name]
+    numbers = [s for s in schema.get("anyOf", [schema]) if s.get("type") in ("number", "integer")]
+    (number,) = numbers
+    assert number.get("maximum", number.get("exclusiveMaximum")) == bound.high
+    just_above = bound.high + (1 if isinstance(bound.high, int) else 0.01)
+    with pytest.raises(SamplingParamsError) as caught:
+        SamplingParams(**{name: just_above}).validate()
+    assert caught.value.param == name

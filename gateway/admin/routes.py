@@ -21,7 +21,7 @@ from gateway.admin import tenants as tenants_api
 from gateway.appkeys import AUTHENTICATOR, ENGINE_CLIENT, METRICS, SERVING_STATE, SETTINGS
 from gateway.audit import routes as requests_api
 from gateway.errors import APIError
-from gateway.openapi import BEARER_ADMIN, Route, add_routes, build_document
+from gateway.openapi import AUTH_ERRORS, BEARER_ADMIN, Route, add_routes, build_document
 from gateway.tenancy.keys import looks_like_key
 
 if TYPE_CHECKING:
@@ -225,42 +225,50 @@ def admin_document() -> dict[str, Any]:
 
 # ---- the sub-app -----------------------------------------------------------------------------
 T, R = tenants_api, requests_api
-TENANT_ID = {"tenant_id": "integer"}
+TENANT_ID = {"tenant_id": T.ID_SCHEMA}
+REQUEST_ID = {"request_id": R.REQUEST_ID_SCHEMA}
+ADMIN = AUTH_ERRORS
+FOUND = {**AUTH_ERRORS, 404: "no such tenant, key or request"}
+CONFLICT = {409: "a name taken, or fields in conflict (max_priority above default_priority)"}
 ROUTES = [
     Route("POST", "/tenants", T.create_tenant_handler, "Create a tenant",
-          body=T.TenantCreate, responses={201: T.TenantOut}, tag="tenants"),
+          body=T.TenantCreate, responses={201: T.TenantOut}, errors={**ADMIN, **CONFLICT},
+          tag="tenants"),
     Route("GET", "/tenants", T.list_tenants_handler, "List tenants",
-          responses={200: T.TenantList}, tag="tenants"),
+          responses={200: T.TenantList}, errors=ADMIN, tag="tenants"),
     Route("GET", "/tenants/{tenant_id}", T.get_tenant_handler, "Get a tenant",
-          responses={200: T.TenantOut}, path_types=TENANT_ID, tag="tenants"),
+          responses={200: T.TenantOut}, path_schemas=TENANT_ID, errors=FOUND, tag="tenants"),
     Route("PATCH", "/tenants/{tenant_id}", T.update_tenant_handler,
           "Change a tenant's limits, priorities, weight or enabled flag",
-          body=T.TenantPatch, responses={200: T.TenantOut}, path_types=TENANT_ID, tag="tenants"),
+          body=T.TenantPatch, responses={200: T.TenantOut}, path_schemas=TENANT_ID,
+          errors={**FOUND, **CONFLICT}, tag="tenants"),
     Route("DELETE", "/tenants/{tenant_id}", T.delete_tenant_handler,
           "Delete a tenant and its keys (its audit records stay)",
-          responses={204: None}, path_types=TENANT_ID, tag="tenants"),
+          responses={204: None}, path_schemas=TENANT_ID, errors=FOUND, tag="tenants"),
     Route("POST", "/tenants/{tenant_id}/keys", T.create_key_handler,
           "Create an API key (returned once, in `key`)",
-          responses={201: T.KeyCreated}, path_types=TENANT_ID, tag="keys"),
+          responses={201: T.KeyCreated}, path_schemas=TENANT_ID, errors=FOUND, tag="keys"),
     Route("GET", "/tenants/{tenant_id}/keys", T.list_keys_handler,
           "List a tenant's keys (prefixes and dates, never the keys)",
-          responses={200: T.KeyList}, path_types=TENANT_ID, tag="keys"),
+          responses={200: T.KeyList}, path_schemas=TENANT_ID, errors=FOUND, tag="keys"),
     Route("DELETE", "/keys/{key_id}", T.revoke_key_handler, "Revoke an API key",
-          responses={200: T.ApiKeyOut}, path_types={"key_id": "integer"}, tag="keys"),
+          responses={200: T.ApiKeyOut}, path_schemas={"key_id": T.ID_SCHEMA}, errors=FOUND,
+          tag="keys"),
     Route("GET", "/tenants/{tenant_id}/usage", T.usage_handler,
           "Tokens today and this month against quotas; live rate-limit state",
-          responses={200: T.TenantUsage}, path_types=TENANT_ID, tag="tenants"),
+          responses={200: T.TenantUsage}, path_schemas=TENANT_ID, errors=FOUND, tag="tenants"),
     Route("GET", "/engine", engine_state,
           "Running, waiting and swapped requests; KV usage; step rate",
-          responses={200: EngineState}, tag="engine"),
+          responses={200: EngineState}, errors=ADMIN, tag="engine"),
     Route("GET", "/requests", R.list_requests_handler, "Audit records, newest first",
-          query=R.RequestQuery, responses={200: R.RequestPage}, tag="requests"),
+          query=R.RequestQuery, responses={200: R.RequestPage}, errors=ADMIN, tag="requests"),
     Route("GET", "/requests/{request_id}", R.get_request_handler,
           "One request: record, event timeline and the explanation of its delays",
-          responses={200: R.RequestDetailOut}, tag="requests"),
+          responses={200: R.RequestDetailOut}, path_schemas=REQUEST_ID, errors=FOUND,
+          tag="requests"),
     Route("POST", "/requests/{request_id}/cancel", cancel_request,
           "Cancel a request running on this replica",
-          responses={202: CancelResult}, tag="requests"),
+          responses={202: CancelResult}, path_schemas=REQUEST_ID, errors=FOUND, tag="requests"),
 ]  # fmt: skip
 
 

@@ -16,14 +16,17 @@ others within the cache's lifetime (2 s).
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from sqlalchemy.orm.exc import StaleDataError
 
 from gateway.appkeys import AUTHENTICATOR, RATE_LIMITER, SESSIONMAKER, SETTINGS
-from gateway.errors import APIError, bad_request, from_validation_error
+from gateway.errors import APIError, deepest_problem, from_validation_error
+from gateway.jsonbody import read_model
 from gateway.tenancy.keys import (
     ApiKeyNotFound,
     ApiKeyOut,
@@ -32,7 +35,7 @@ from gateway.tenancy.keys import (
     list_keys,
     revoke_key,
 )
-from gateway.tenancy.limits import LIMIT_FIELDS
+from gateway.tenancy.limits import INT32_MAX, LIMIT_FIELDS
 from gateway.tenancy.tenants import (
     TENANT_NAME_PATTERN,
     TenantCreate,
@@ -54,13 +57,14 @@ class TenantPatchFields(BaseModel):
     """Only the fields given change; `null` on a limit removes it (unlimited). The tenant as a
     whole must stay valid (e.g. max_priority <= default_priority)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    name: str | None = Field(None, pattern=TENANT_NAME_PATTERN)
-    default_priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
-    max_priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
-    weight: float | None = Field(None, gt=0, le=1_000_000, allow_inf_nan=False)
-    enabled: bool | None = None
+    # not nullable: a tenant always has these (left out: unchanged)
+    name: str = Field(None, pattern=TENANT_NAME_PATTERN)
+    default_priority: int = Field(None, ge=-1_000_000, le=1_000_000)
+    max_priority: int = Field(None, ge=-1_000_000, le=1_000_000)
+    weight: float = Field(None, gt=0, le=1_000_000, allow_inf_nan=False)
+    enabled: bool = None
 
 
 TenantPatch = create_model(
@@ -110,18 +114,27 @@ TenantUsage = create_model(
 
 # ---- helpers ---------------------------------------------------------------------------------
 async def read_json(request: web.Request, model: type[BaseModel]) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        raise bad_request("The request body is empty; send a JSON object.")
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as error:
-        raise from_validation_error(error) from None
+    return await read_model(request, model, body_error)
+
+
+def body_error(error: ValidationError) -> APIError:
+    """Fields valid one by one but in conflict with each other (or with the tenant they change)
+    are a 409; anything else a 400 naming the field."""
+    problem = deepest_problem(error)
+    if not problem["loc"] and problem["type"] == "value_error":
+        message = problem["msg"].removeprefix("Value error, ")
+        return APIError(409, f"Conflicting fields: {message}", code="conflicting_fields")
+    return from_validation_error(error)
+
+
+ID_PATTERN = re.compile(r"[0-9]{1,10}")
+ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}  # the id columns' range
 
 
 def int_param(request: web.Request, name: str) -> int:
+    """A path id as the id columns hold it; anything else is a 404 before it reaches SQL."""
     value = request.match_info[name]
-    if not value.isdigit():
+    if not ID_PATTERN.fullmatch(value) or int(value) > INT32_MAX:
         raise APIError(404, f"No such {name.removesuffix('_id')}: {value!r}.", code="not_found")
     return int(value)
 
@@ -185,8 +198,8 @@ async def update_tenant_handler(request: web.Request) -> web.Response:
         raise not_found(error) from None
     except TenantNameTaken as error:
         raise name_taken(error) from None
-    except ValidationError as error:
-        raise from_validation_error(error) from None
+    except ValidationError as error:  # the tenant as changed would not be valid
+        raise body_error(error) from None
     forget_cached_keys(request)
     return json_model(tenant)
 
@@ -238,6 +251,8 @@ async def revoke_key_handler(request: web.Request) -> web.Response:
             key = ApiKeyOut.model_validate(await revoke_key(session, key_id))
     except ApiKeyNotFound as error:
         raise not_found(error) from None
+    except StaleDataError:  # its tenant (and so the key) was deleted meanwhile
+        raise APIError(404, f"no API key with id {key_id}", code="not_found") from None
     forget_cached_keys(request)
     return json_model(key)
 

@@ -6,11 +6,19 @@ other tenants' names and request ids are redacted from the explanation and the e
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from gateway.appkeys import AUDIT, PRINCIPAL, SESSIONMAKER
 from gateway.audit.explain import explain, redact_events
@@ -27,6 +35,24 @@ from gateway.errors import APIError, bad_request
 
 READ_THROUGH_TIMEOUT_S = 5.0
 STATUSES = ("finished", "aborted", "cancelled", "error", "rejected")
+STATUS_LIST_PATTERN = f"^({'|'.join(STATUSES)})(,({'|'.join(STATUSES)}))*$"
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # the id and priority columns' range
+# A body id (`chatcmpl-<hex>`) or an x-request-id; anything else is a 404 before SQL sees it.
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+REQUEST_ID_SCHEMA = {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN.pattern}$"}
+
+
+NUMBER = re.compile(r"[-+]?[0-9]*\.?[0-9]*([eE][-+]?[0-9]+)?")
+
+
+def not_a_number(value: Any) -> Any:
+    """The document says `format: date-time`; pydantic alone would read "0.5" as a timestamp."""
+    if isinstance(value, str) and NUMBER.fullmatch(value.strip()):
+        raise ValueError("Input should be an ISO 8601 date-time")
+    return value
+
+
+IsoDateTime = Annotated[datetime, BeforeValidator(not_a_number)]
 
 
 class RequestQuery(BaseModel):
@@ -34,15 +60,25 @@ class RequestQuery(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tenant_id: int | None = Field(None, description="only this tenant's requests")
-    tenant: str | None = Field(None, description="only this tenant's requests, by name")
-    status: str | None = Field(None, description=f"comma-separated statuses: {', '.join(STATUSES)}")
-    priority: int | None = Field(None, description="effective priority")
-    received_after: datetime | None = Field(None, description="ISO 8601, inclusive")
-    received_before: datetime | None = Field(None, description="ISO 8601, exclusive")
+    tenant_id: int | None = Field(
+        None, ge=0, le=INT32_MAX, description="only this tenant's requests"
+    )
+    tenant: str | None = Field(
+        None, max_length=64, pattern=r"^[^\x00]*$", description="only this tenant's, by name"
+    )
+    status: str | None = Field(
+        None,
+        pattern=STATUS_LIST_PATTERN,
+        description=f"comma-separated statuses: {', '.join(STATUSES)}",
+    )
+    priority: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX, description="effective priority")
+    received_after: IsoDateTime | None = Field(None, description="ISO 8601, inclusive")
+    received_before: IsoDateTime | None = Field(None, description="ISO 8601, exclusive")
     min_queue_time_s: float | None = Field(None, ge=0, description="queued at least this long")
     preempted_only: bool = Field(False, description="only requests preempted at least once")
-    cursor: str | None = Field(None, description="`next_cursor` of the previous page")
+    cursor: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_-]+$", description="`next_cursor` of the previous page"
+    )
     limit: int = Field(50, ge=1, le=MAX_PAGE_SIZE)
 
     @field_validator("status")
@@ -142,6 +178,8 @@ async def request_detail(
     """The record of a body id (`cmpl-…`, `chatcmpl-…`) or an x-request-id. Read through the
     audit writer: a record still queued is written first, so it is readable as soon as the
     response has ended."""
+    if not REQUEST_ID_PATTERN.fullmatch(given_id):
+        raise APIError(404, f"No request {given_id!r} in the audit log.", code="not_found")
     request_id = record_id_of(given_id)
     detail = await read_detail(request, request_id, tenant_id)
     if detail is None and await flushed_pending(request):

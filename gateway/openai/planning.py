@@ -1,5 +1,6 @@
 """The plan of one HTTP request: its prompts as token ids (tokenized once, checked once against
-the vocabulary and the context), one SamplingParams per choice, and the tenant's effective
+the vocabulary, the context and the KV cache, on the gateway side only), one SamplingParams per
+choice (checked once against the engine's bounds), and the tenant's effective
 priority.
 """
 
@@ -23,11 +24,14 @@ from gateway.errors import (
     bad_request,
     model_not_found,
 )
-from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from scheduler.request import SamplingParams
-
-MAX_PROMPTS = 32
-
+from gateway.openai.schemas import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from runtime.engine_client import EngineInfo
+from scheduler.request import SamplingParams, SamplingParamsError
 
 LONG_PROMPT_CHARS = 8192  # tokenize longer prompts on a thread
 
@@ -104,22 +108,24 @@ def sampling_params(
 
 
 def check_model(request: web.Request, model: str) -> None:
-    if model != request.app[ENGINE_CLIENT].info.model_name:
+    if model not in request.app[ENGINE_CLIENT].info.served_model_names:
         raise model_not_found(model)
 
 
-def check_prompt_fits(engine, prompt: list[int], max_tokens: int | None, param: str) -> None:
-    """The prompt's ids are in the vocabulary, and prompt + max_tokens fits the context."""
-    vocab_size = engine.tokenizer.vocab_size
+def check_prompt_fits(
+    info: EngineInfo, prompt: list[int], max_tokens: int | None, param: str
+) -> None:
+    """The prompt's ids are in the vocabulary, and prompt + max_tokens fits the context and the
+    KV cache: everything the engine would refuse, checked once, with its fixed facts."""
     if not prompt:
         raise bad_request("The prompt is empty.", param=param)
-    if any(not 0 <= token_id < vocab_size for token_id in prompt):
-        raise bad_request(f"Token ids must be in [0, {vocab_size}).", param=param)
-    max_model_len = engine.info.max_model_len
+    if any(not 0 <= token_id < info.vocab_size for token_id in prompt):
+        raise bad_request(f"Token ids must be in [0, {info.vocab_size}).", param=param)
     num_output = max_tokens or 1  # no max_tokens: whatever fits, at least one token
-    if len(prompt) + num_output > max_model_len:
+    max_len = min(info.max_model_len, info.kv_capacity_tokens)
+    if len(prompt) + num_output > max_len:
         raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"This model's maximum context length is {max_len} tokens. However, you "
             f"requested {len(prompt) + num_output} tokens ({len(prompt)} in the prompt, "
             f"{num_output} for the completion). Please reduce the prompt or max_tokens.",
             param=param,
@@ -127,13 +133,11 @@ def check_prompt_fits(engine, prompt: list[int], max_tokens: int | None, param: 
         )
 
 
-def validate_with_engine(engine, prompt: list[int], params: SamplingParams, param: str) -> None:
-    from runtime.engine import RequestError
-
+def check_sampling(info: EngineInfo, params: SamplingParams) -> None:
     try:
-        engine.validate(prompt, params)
-    except RequestError as error:
-        raise bad_request(str(error), param=error.param or param, code=error.code) from None
+        params.validate(info.vocab_size)
+    except SamplingParamsError as error:
+        raise bad_request(str(error), param=error.param, code="invalid_value") from None
 
 
 def make_plan(
@@ -149,9 +153,7 @@ def make_plan(
         sampling_params(body, max_tokens[choice // body.n], logprobs, choice % body.n)
         for choice in range(len(prompts) * body.n)
     ]
-    engine = request.app[ENGINE_CLIENT]
-    for prompt, choice_params in zip(prompts, params[:: body.n]):
-        validate_with_engine(engine, prompt, choice_params, param)
+    check_sampling(request.app[ENGINE_CLIENT].info, params[0])  # choices differ in seed only
     received_at, received_mono = request.get(RECEIVED) or (time.time(), time.monotonic())
     return Plan(
         request_id=request[REQUEST_ID],
@@ -169,9 +171,21 @@ def make_plan(
 
 # ---- prompts ---------------------------------------------------------------------------------
 async def tokenize(engine, text: str) -> list[int]:
+    """A text that comes to no tokens at all (e.g. a lone control character) starts a new
+    document, as OpenAI's completions do without a prompt: from the end-of-text token."""
     if len(text) > LONG_PROMPT_CHARS:
-        return await asyncio.to_thread(engine.tokenizer.encode, text)
-    return engine.tokenizer.encode(text)
+        token_ids = await asyncio.to_thread(engine.tokenizer.encode, text)
+    else:
+        token_ids = engine.tokenizer.encode(text)
+    return token_ids or document_start(engine.tokenizer)
+
+
+def document_start(tokenizer) -> list[int]:
+    hf = tokenizer.hf_tokenizer
+    for token_id in (hf.bos_token_id, *tokenizer.eos_token_ids):
+        if token_id is not None:
+            return [token_id]
+    return [0]
 
 
 async def completion_prompts(engine, body: CompletionRequest) -> list[list[int]]:
@@ -197,21 +211,13 @@ async def chat_prompt(engine, body: ChatCompletionRequest) -> list[int]:
         raise bad_request(str(error), param="messages") from None
 
 
-def reject_unsupported_completion_fields(body: CompletionRequest) -> None:
-    if body.echo:
-        raise bad_request("'echo' is not supported.", param="echo")
-    if body.suffix:
-        raise bad_request("'suffix' is not supported.", param="suffix")
-
-
 async def plan_completion(request: web.Request, body: CompletionRequest) -> Plan:
-    reject_unsupported_completion_fields(body)
     check_model(request, body.model)
     engine = request.app[ENGINE_CLIENT]
     prompts = await completion_prompts(engine, body)
     max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     for prompt in prompts:
-        check_prompt_fits(engine, prompt, max_tokens, "prompt")
+        check_prompt_fits(engine.info, prompt, max_tokens, "prompt")
     return make_plan(request, body, prompts, [max_tokens] * len(prompts), body.logprobs, "prompt")
 
 
@@ -222,7 +228,7 @@ async def plan_chat(request: web.Request, body: ChatCompletionRequest) -> Plan:
     engine = request.app[ENGINE_CLIENT]
     prompt = await chat_prompt(engine, body)
     requested_max = body.max_completion_tokens or body.max_tokens
-    check_prompt_fits(engine, prompt, requested_max, "messages")
+    check_prompt_fits(engine.info, prompt, requested_max, "messages")
     max_tokens = requested_max or engine.info.max_model_len - len(prompt)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return make_plan(request, body, [prompt], [max_tokens], logprobs, "messages")

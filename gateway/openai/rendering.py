@@ -1,16 +1,35 @@
-"""OpenAI response bodies and SSE chunks from engine outputs: completions and chat, logprobs,
-usage, rate-limit headers.
+"""OpenAI response bodies and SSE chunks from engine outputs (completions and chat, logprobs,
+usage, rate-limit headers), built as the pydantic models of `responses` that the published
+document declares: one set of shapes.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from gateway.audit.records import CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX
 from gateway.openai.planning import Plan
+from gateway.openai.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from gateway.openai.tracking import Tracker
+from gateway.openapi import ErrorBody, ErrorDetail
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -33,14 +52,14 @@ class ChoiceState:
             self.finish_reason = output.finish_reason
 
 
-def usage_body(plan: Plan, choices: list[ChoiceState], num_cached: int) -> dict[str, Any]:
+def usage_of(plan: Plan, choices: list[ChoiceState], num_cached: int) -> Usage:
     completion_tokens = sum(len(choice.token_ids) for choice in choices)
-    return {
-        "prompt_tokens": plan.num_prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": plan.num_prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached},
-    }
+    return Usage(
+        prompt_tokens=plan.num_prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=plan.num_prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+    )
 
 
 class TokenText:
@@ -61,12 +80,13 @@ class TokenText:
 class CompletionFormat:
     object_name = "text_completion"
     id_prefix = COMPLETION_ID_PREFIX
+    body_model = chunk_model = Completion
 
     def __init__(self, token_text: TokenText, with_logprobs: bool) -> None:
         self.token_text = token_text
         self.with_logprobs = with_logprobs
 
-    def logprobs(self, items: list[Any], text_offset: int) -> dict[str, Any] | None:
+    def logprobs(self, items: list[Any], text_offset: int) -> CompletionLogprobs | None:
         if not self.with_logprobs:
             return None
         tokens = [self.token_text(item.token_id) for item in items]
@@ -74,98 +94,98 @@ class CompletionFormat:
         for token in tokens:
             offsets.append(text_offset)
             text_offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [item.logprob for item in items],
-            "top_logprobs": [{self.token_text(tid): lp for tid, lp in item.top} for item in items],
-            "text_offset": offsets,
-        }
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[item.logprob for item in items],
+            top_logprobs=[{self.token_text(tid): lp for tid, lp in item.top} for item in items],
+            text_offset=offsets,
+        )
 
-    def choice(self, state: ChoiceState) -> dict[str, Any]:
-        return {
-            "index": state.index,
-            "text": state.text,
-            "logprobs": self.logprobs(state.logprobs, 0),
-            "finish_reason": state.finish_reason,
-        }
+    def choice(self, state: ChoiceState) -> CompletionChoice:
+        return CompletionChoice(
+            index=state.index,
+            text=state.text,
+            logprobs=self.logprobs(state.logprobs, 0),
+            finish_reason=state.finish_reason,
+        )
 
-    def first_deltas(self, num_choices: int) -> list[dict[str, Any]]:
+    def first_deltas(self, num_choices: int) -> list[CompletionChoice]:
         return []
 
-    def deltas(self, state: ChoiceState, output) -> list[dict[str, Any]]:
+    def deltas(self, state: ChoiceState, output) -> list[CompletionChoice]:
         if not (output.new_text or output.logprobs or output.finished):
             return []
         logprobs = self.logprobs(output.logprobs, state.num_text_chars_sent)
         if logprobs:
-            state.num_text_chars_sent += sum(len(token) for token in logprobs["tokens"])
-        delta = {
-            "index": state.index,
-            "text": output.new_text,
-            "logprobs": logprobs,
-            "finish_reason": output.finish_reason if output.finished else None,
-        }
+            state.num_text_chars_sent += sum(len(token) for token in logprobs.tokens)
+        delta = CompletionChoice(
+            index=state.index,
+            text=output.new_text,
+            logprobs=logprobs,
+            finish_reason=output.finish_reason if output.finished else None,
+        )
         return [delta]
 
 
 class ChatFormat:
     object_name = "chat.completion"
     id_prefix = CHAT_COMPLETION_ID_PREFIX
+    body_model, chunk_model = ChatCompletion, ChatCompletionChunk
 
     def __init__(self, token_text: TokenText, with_logprobs: bool) -> None:
         self.token_text = token_text
         self.with_logprobs = with_logprobs
 
-    def token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+    def top_entry(self, token_id: int, logprob: float) -> TopLogprob:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
-    def logprobs(self, items: list[Any]) -> dict[str, Any] | None:
+    def logprobs(self, items: list[Any]) -> ChatLogprobs | None:
         if not self.with_logprobs:
             return None
         content = [
-            {
-                **self.token_entry(item.token_id, item.logprob),
-                "top_logprobs": [self.token_entry(tid, lp) for tid, lp in item.top],
-            }
+            TokenLogprob(
+                **dict(self.top_entry(item.token_id, item.logprob)),
+                top_logprobs=[self.top_entry(tid, lp) for tid, lp in item.top],
+            )
             for item in items
         ]
-        return {"content": content, "refusal": None}
+        return ChatLogprobs(content=content, refusal=None)
 
-    def choice(self, state: ChoiceState) -> dict[str, Any]:
-        message = {"role": "assistant", "content": state.text, "refusal": None}
-        return {
-            "index": state.index,
-            "message": message,
-            "logprobs": self.logprobs(state.logprobs),
-            "finish_reason": state.finish_reason,
-        }
+    def choice(self, state: ChoiceState) -> ChatChoice:
+        return ChatChoice(
+            index=state.index,
+            message=AssistantMessage(role="assistant", content=state.text, refusal=None),
+            logprobs=self.logprobs(state.logprobs),
+            finish_reason=state.finish_reason,
+        )
 
-    def first_deltas(self, num_choices: int) -> list[dict[str, Any]]:
-        role = {"role": "assistant", "content": ""}
+    def first_deltas(self, num_choices: int) -> list[ChatChunkChoice]:
+        role = ChatDelta(role="assistant", content="")
         return [
-            {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+            ChatChunkChoice(index=i, delta=role, logprobs=None, finish_reason=None)
             for i in range(num_choices)
         ]
 
-    def deltas(self, state: ChoiceState, output) -> list[dict[str, Any]]:
+    def deltas(self, state: ChoiceState, output) -> list[ChatChunkChoice]:
         deltas = []
         if output.new_text or (self.with_logprobs and output.logprobs):
             deltas.append(
-                {
-                    "index": state.index,
-                    "delta": {"content": output.new_text},
-                    "logprobs": self.logprobs(output.logprobs),
-                    "finish_reason": None,
-                }
+                ChatChunkChoice(
+                    index=state.index,
+                    delta=ChatDelta(content=output.new_text),
+                    logprobs=self.logprobs(output.logprobs),
+                    finish_reason=None,
+                )
             )
         if output.finished:
             deltas.append(
-                {
-                    "index": state.index,
-                    "delta": {},
-                    "logprobs": None,
-                    "finish_reason": output.finish_reason,
-                }
+                ChatChunkChoice(
+                    index=state.index,
+                    delta=ChatDelta(),
+                    logprobs=None,
+                    finish_reason=output.finish_reason,
+                )
             )
         return deltas
 
@@ -186,8 +206,20 @@ def envelope(plan: Plan, fmt: Format, created: int, chunk: bool) -> dict[str, An
     }
 
 
-def sse(data: dict[str, Any] | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+def full_body(
+    plan: Plan, fmt: Format, choices: list[ChoiceState], num_cached: int
+) -> Completion | ChatCompletion:
+    return fmt.body_model(
+        **envelope(plan, fmt, int(plan.received_at), chunk=False),
+        choices=[fmt.choice(state) for state in choices],
+        usage=usage_of(plan, choices, num_cached),
+    )
+
+
+def sse(data: BaseModel | str) -> bytes:
+    """One server-sent event; a model as its fields were set (a chat delta only says what
+    changed), `[DONE]` as it is."""
+    text = data if isinstance(data, str) else data.model_dump_json(exclude_unset=True)
     return f"data: {text}\n\n".encode()
 
 
@@ -197,12 +229,11 @@ def response_headers(tracker: Tracker) -> dict[str, str]:
     return headers
 
 
-def stream_error_body() -> dict[str, Any]:
-    return {
-        "error": {
-            "message": "The server had an error while generating this response.",
-            "type": "server_error",
-            "param": None,
-            "code": None,
-        }
-    }
+def stream_error_body() -> ErrorBody:
+    detail = ErrorDetail(
+        message="The server had an error while generating this response.",
+        type="server_error",
+        param=None,
+        code=None,
+    )
+    return ErrorBody(error=detail)

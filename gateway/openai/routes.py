@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from gateway.appkeys import (
     ENGINE_CLIENT,
@@ -25,7 +26,7 @@ from gateway.appkeys import (
     REQUEST_ID,
 )
 from gateway.audit.records import auditing_invalid_requests
-from gateway.audit.routes import RequestDetailOut, own_request
+from gateway.audit.routes import REQUEST_ID_SCHEMA, RequestDetailOut, own_request
 from gateway.openai.generation import generate
 from gateway.openai.planning import Plan, check_model, plan_chat, plan_completion
 from gateway.openai.rendering import (
@@ -36,10 +37,11 @@ from gateway.openai.rendering import (
     Format,
     TokenText,
     envelope,
+    full_body,
     response_headers,
     sse,
     stream_error_body,
-    usage_body,
+    usage_of,
 )
 from gateway.openai.responses import (
     ChatCompletion,
@@ -49,34 +51,65 @@ from gateway.openai.responses import (
     ModelList,
 )
 from gateway.openai.schemas import (
+    OUTPUT_TOKENS_MARK,
+    TOKEN_ID_MARK,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     read_body,
 )
 from gateway.openai.tracking import Tracker, admitted
-from gateway.openapi import BEARER_KEY, Route, build_document
+from gateway.openapi import (
+    BEARER_KEY,
+    DRAINING_ERRORS,
+    KEY_ERRORS,
+    RATE_LIMIT_ERRORS,
+    RATE_LIMIT_HEADERS,
+    Route,
+    build_document,
+    header,
+)
 from gateway.tenancy.admission import refusal_error, tenant_limits
+from runtime.engine_client import EngineInfo
 
 log = logging.getLogger(__name__)
 
 PREFIX = "/v1"
 
 
+OWN_REQUEST_LINK = {
+    "GetRequestRecord": {
+        "operationId": "get_own_request",
+        "parameters": {"request_id": "$response.body#/id"},
+        "description": "The request's audit record: the body `id` finds it",
+    }
+}
+NOT_FOUND = {404: "the model (or the request) does not exist"}
+GENERATES = {**KEY_ERRORS, **NOT_FOUND, **RATE_LIMIT_ERRORS, **DRAINING_ERRORS}
+COUNTED = {**KEY_ERRORS, **RATE_LIMIT_ERRORS, 503: "the key store is unreachable"}
+PRIORITY_HEADER = {"x-conveyor-priority": header("the priority it ran at", "integer")}
+
+
 def openai_routes() -> list[Route]:
     """Every `/v1` route, relative to `/v1`: the router and the document both read this table."""
     return [
         Route("POST", "/completions", create_completion, "Create a completion",
-              body=CompletionRequest, responses={200: Completion}, streams=Completion),
+              body=CompletionRequest, responses={200: Completion}, streams=Completion,
+              errors=GENERATES, headers={**RATE_LIMIT_HEADERS, **PRIORITY_HEADER},
+              links=OWN_REQUEST_LINK),
         Route("POST", "/chat/completions", create_chat_completion, "Create a chat completion",
               body=ChatCompletionRequest, responses={200: ChatCompletion},
-              streams=ChatCompletionChunk),
-        Route("GET", "/models", list_models, "List models", responses={200: ModelList}),
+              streams=ChatCompletionChunk, errors=GENERATES,
+              headers={**RATE_LIMIT_HEADERS, **PRIORITY_HEADER}, links=OWN_REQUEST_LINK),
+        Route("GET", "/models", list_models, "List models", responses={200: ModelList},
+              errors=COUNTED, headers=RATE_LIMIT_HEADERS),
         Route("GET", "/models/{model}", retrieve_model, "Retrieve a model",
-              responses={200: ModelCard}),
+              responses={200: ModelCard}, errors={**COUNTED, **NOT_FOUND},
+              headers=RATE_LIMIT_HEADERS),
         Route("GET", "/requests/{request_id}", own_request,
               "One of your requests: its audit record, events and the explanation of its delays",
-              responses={200: RequestDetailOut}),
+              responses={200: RequestDetailOut}, path_schemas={"request_id": REQUEST_ID_SCHEMA},
+              errors={**KEY_ERRORS, **NOT_FOUND, 503: "the key store is unreachable"}),
     ]  # fmt: skip
 
 
@@ -87,12 +120,42 @@ def add_routes(router: web.UrlDispatcher) -> None:
 
 
 @functools.cache
-def openai_document() -> dict[str, Any]:
-    return build_document("Conveyor OpenAI-compatible API", PREFIX, openai_routes(), BEARER_KEY)
+def openai_document(info: EngineInfo) -> dict[str, Any]:
+    """The document with the loaded model's facts: `model` an enum of the names this server
+    answers to, token ids below the vocabulary size, output tokens within the context."""
+    document = build_document("Conveyor OpenAI-compatible API", PREFIX, openai_routes(), BEARER_KEY)
+    model = {"type": "string", "enum": list(info.served_model_names), "title": "Model"}
+    schemas = document["components"]["schemas"]
+    for body in (CompletionRequest, ChatCompletionRequest):
+        schemas[body.__name__]["properties"]["model"] = model
+    (parameter,) = document["paths"][PREFIX + "/models/{model}"]["get"]["parameters"]
+    parameter["schema"] = model
+    fill_marks(
+        document,
+        {
+            TOKEN_ID_MARK: info.vocab_size - 1,
+            OUTPUT_TOKENS_MARK: min(info.max_model_len, info.kv_capacity_tokens) - 1,
+        },
+    )
+    return document
+
+
+def fill_marks(node: Any, maximum_of: dict[str, int]) -> None:
+    """Every schema carrying one of the marks gets its `maximum`, and loses the mark."""
+    if isinstance(node, list):
+        for item in node:
+            fill_marks(item, maximum_of)
+    if not isinstance(node, dict):
+        return
+    for mark, maximum in maximum_of.items():
+        if node.pop(mark, None):
+            node["maximum"] = maximum
+    for value in node.values():
+        fill_marks(value, maximum_of)
 
 
 async def openapi_document(request: web.Request) -> web.Response:
-    return web.json_response(openai_document())
+    return web.json_response(openai_document(request.app[ENGINE_CLIENT].info))
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -134,12 +197,8 @@ async def full_response(
             tracker.observe(choice, output)
             choices[choice].add(output)
             num_cached = max(num_cached, output.num_cached_tokens)
-    body = {
-        **envelope(plan, fmt, int(plan.received_at), chunk=False),
-        "choices": [fmt.choice(state) for state in choices],
-        "usage": usage_body(plan, choices, num_cached),
-    }
-    return web.json_response(body, headers=response_headers(tracker))
+    body = full_body(plan, fmt, choices, num_cached)
+    return json_model(body, headers=response_headers(tracker))
 
 
 async def stream_response(
@@ -179,7 +238,7 @@ async def write_events(
         head["usage"] = None
     choices = [ChoiceState(i) for i in range(plan.num_choices)]
     for delta in fmt.first_deltas(plan.num_choices):
-        await response.write(sse({**head, "choices": [delta]}))
+        await response.write(sse(fmt.chunk_model(**head, choices=[delta])))
     num_cached = 0
     async with contextlib.aclosing(outputs):
         async for choice, output in outputs:
@@ -187,10 +246,10 @@ async def write_events(
             choices[choice].add(output)
             num_cached = max(num_cached, output.num_cached_tokens)
             for delta in fmt.deltas(choices[choice], output):
-                await response.write(sse({**head, "choices": [delta]}))
+                await response.write(sse(fmt.chunk_model(**head, choices=[delta])))
     if include_usage:
-        usage = usage_body(plan, choices, num_cached)
-        await response.write(sse({**head, "choices": [], "usage": usage}))
+        usage = usage_of(plan, choices, num_cached)
+        await response.write(sse(fmt.chunk_model(**{**head, "usage": usage}, choices=[])))
 
 
 async def write_quietly(response: web.StreamResponse, data: bytes) -> None:
@@ -199,15 +258,19 @@ async def write_quietly(response: web.StreamResponse, data: bytes) -> None:
 
 
 # ---- models -----------------------------------------------------------------------------------
-def model_card(request: web.Request) -> dict[str, Any]:
+def model_cards(request: web.Request) -> list[ModelCard]:
+    """One card per served name (`--served-model-name`), all the same model."""
     info = request.app[ENGINE_CLIENT].info
-    return {
-        "id": info.model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "conveyor",
-        "max_model_len": info.max_model_len,
-    }
+    return [
+        ModelCard(
+            id=name,
+            object="model",
+            created=0,
+            owned_by="conveyor",
+            max_model_len=info.max_model_len,
+        )
+        for name in info.served_model_names
+    ]
 
 
 async def rate_limit_only(request: web.Request) -> dict[str, str]:
@@ -224,12 +287,19 @@ async def rate_limit_only(request: web.Request) -> dict[str, str]:
 
 async def list_models(request: web.Request) -> web.Response:
     headers = await rate_limit_only(request)
-    body = {"object": "list", "data": [model_card(request)]}
-    return web.json_response(body, headers=headers)
+    return json_model(ModelList(object="list", data=model_cards(request)), headers=headers)
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     headers = await rate_limit_only(request)
     model = request.match_info["model"]
     check_model(request, model)
-    return web.json_response(model_card(request), headers=headers)
+    card = next(card for card in model_cards(request) if card.id == model)
+    return json_model(card, headers=headers)
+
+
+def json_model(body: BaseModel, status: int = 200, headers: dict[str, str] | None = None):
+    """A response body built from its pydantic model, the one the document publishes."""
+    return web.Response(
+        body=body.model_dump_json(), status=status, headers=headers, content_type="application/json"
+    )

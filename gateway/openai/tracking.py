@@ -126,12 +126,15 @@ class Tracker:
 
 
 def check_capacity(app: web.Application, num_sequences: int) -> None:
-    """503 while draining or when the engine's line is already full."""
+    """503 while draining or when the engine's line is already full (beyond a lone request)."""
     state, settings = app[SERVING_STATE], app[SETTINGS]
     if state.is_draining:
         raise overloaded("The server is shutting down; retry on another replica.", 1.0)
     capacity = settings.max_num_seqs + settings.max_waiting_requests
-    if state.num_inflight_sequences + num_sequences > capacity:
+    # A lone request always gets in, however many sequences it has (at most MAX_PROMPTS * MAX_N):
+    # refusing it would refuse it forever, since retrying cannot make it smaller.
+    is_alone = state.num_inflight_sequences == 0
+    if not is_alone and state.num_inflight_sequences + num_sequences > capacity:
         raise overloaded(
             f"The server is overloaded ({state.num_inflight_sequences} sequences in flight). "
             "Please retry shortly.",
@@ -201,7 +204,9 @@ async def settle(app: web.Application, tracker: Tracker) -> None:
     )
     if tracker.cancelled:
         tracker.status = "cancelled"
-    tracker.events.append({"kind": ev.COMPLETED, "time": time.monotonic(), "status": tracker.status})
+    tracker.events.append(
+        {"kind": ev.COMPLETED, "time": time.monotonic(), "status": tracker.status}
+    )
     app[METRICS].observe_finished(tracker)
     submit_audit(app, finished_record(tracker), tracker.events)
 

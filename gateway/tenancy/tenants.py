@@ -54,7 +54,7 @@ def limit_fields(*, partial: bool, bounded: bool) -> dict[str, Any]:
 
 
 class TenantCreateFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(pattern=TENANT_NAME_PATTERN)
     default_priority: int = Field(0, ge=-1_000_000, le=1_000_000)
@@ -80,7 +80,7 @@ TenantCreate = create_model(
 class TenantUpdateFields(BaseModel):
     """A partial change: only the fields given are applied; `null` on a limit means unlimited."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str | None = None
     default_priority: int | None = None
