@@ -41,7 +41,7 @@ def limit_fields(*, partial: bool, bounded: bool) -> dict[str, Any]:
     """
     fields: dict[str, Any] = {}
     for limit in LIMIT_FIELDS:
-        kind = int | None if limit.nullable or partial else int
+        kind = int | None if limit.nullable else int  # partial: absent (None) is "unchanged"
         if not bounded:
             fields[limit.name] = (kind, None if partial else ...)
             continue
