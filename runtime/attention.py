@@ -12,7 +12,9 @@ from itertools import accumulate
 
 import torch
 
-from kernels import reference
+from kernels import native, reference
+
+NATIVE_DECODE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -65,11 +67,12 @@ class AttentionBackend:
             self.kernels = get_kernels(device)
         else:
             self.kernels = reference
+        self.native = None if self.use_triton else native.native_ops()
 
     def prepare(self, attn: AttentionMetadata) -> None:
         if self.use_triton:
             return
-        if attn.num_decode_tokens:
+        if attn.num_decode_tokens and self.native is None:
             attn.decode_plans = [
                 (start, end, self._decode_plan(attn, start, end))
                 for start, end in length_groups(attn.decode_seq_lens.tolist())
@@ -159,6 +162,10 @@ class AttentionBackend:
         return out
 
     def _decode(self, q, k_cache, v_cache, attn: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.native is not None and q.dtype in NATIVE_DECODE_DTYPES:
+            return self.native.paged_attention_decode(
+                q, k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens, scale
+            )
         if attn.decode_plans is not None:
             parts = [
                 reference.paged_attention_with_plan(q[start:end], k_cache, v_cache, plan, scale)

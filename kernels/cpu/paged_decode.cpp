@@ -1,0 +1,173 @@
+// Decode attention over the paged KV cache on CPU: one query per sequence, keys and values read
+// in place from their blocks (no gather), float32 accumulation, one task per (sequence, kv head)
+// spread over torch's intra-op threads. kernels/reference.py's paged_attention_decode is the
+// oracle (tests/test_cpu_kernels.py).
+//
+// Shapes:
+//   q:            [num_seqs, num_heads, head_dim]
+//   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim]
+//   block_tables: [num_seqs, max_blocks] int32
+//   seq_lens:     [num_seqs] int32, keys of each sequence (its current token included)
+//   returns       [num_seqs, num_heads, head_dim], q's dtype
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline void store(float* out, float x) { *out = x; }
+inline void store(at::BFloat16* out, float x) { *out = at::BFloat16(x); }
+
+// One row of keys or values in float32: bf16 rows are widened once, float32 rows are used as is.
+template <typename T>
+inline const float* widen(const T* row, int64_t head_dim, float* buffer) {
+  for (int64_t d = 0; d < head_dim; ++d) buffer[d] = to_float(row[d]);
+  return buffer;
+}
+
+template <>
+inline const float* widen<float>(const float* row, int64_t, float*) {
+  return row;
+}
+
+struct Layout {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t block_stride;  // elements between blocks of the cache
+  float scale;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t d = 0; d < n; ++d) total += a[d] * b[d];
+  return total;
+}
+
+inline void add_scaled(float* acc, const float* x, float p, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * x[d];
+}
+
+// Scratch of one thread: query [num_heads, head_dim] (scaled, float32), scores [num_heads,
+// longest], acc [num_heads, head_dim], row [num_kv_heads * head_dim] (one widened token).
+struct Scratch {
+  std::vector<float> query, scores, acc, row;
+  Scratch(const Layout& l, int64_t longest)
+      : query(l.num_heads * l.head_dim), scores(l.num_heads * std::max<int64_t>(longest, 1)),
+        acc(l.num_heads * l.head_dim), row(l.num_kv_heads * l.head_dim) {}
+};
+
+// Calls visit(t, keys_or_values_of_token_t) for t in [0, seq_len): all kv heads of a token are
+// one contiguous row of the cache, read once for every query head.
+template <typename T, typename Visit>
+inline void for_each_token(const T* cache, const int32_t* table, int64_t seq_len, const Layout& l,
+                           float* row, Visit visit) {
+  const int64_t width = l.num_kv_heads * l.head_dim;
+  for (int64_t start = 0, b = 0; start < seq_len; start += l.block_size, ++b) {
+    const T* block = cache + table[b] * l.block_stride;
+    const int64_t count = std::min(l.block_size, seq_len - start);
+    for (int64_t i = 0; i < count; ++i) visit(start + i, widen(block + i * width, width, row));
+  }
+}
+
+// All query heads of one sequence over its seq_len keys.
+template <typename T>
+void attend_sequence(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                     int64_t seq_len, const Layout& l, T* out, Scratch& s) {
+  const int64_t heads = l.num_heads, dim = l.head_dim, group = heads / l.num_kv_heads;
+  for (int64_t i = 0; i < heads * dim; ++i) s.query[i] = to_float(q[i]) * l.scale;
+  float* scores = s.scores.data();
+  for_each_token(k_cache, table, seq_len, l, s.row.data(), [&](int64_t t, const float* keys) {
+    for (int64_t h = 0; h < heads; ++h)
+      scores[h * seq_len + t] = dot(s.query.data() + h * dim, keys + (h / group) * dim, dim);
+  });
+  for (int64_t h = 0; h < heads; ++h) {
+    float* row = scores + h * seq_len;
+    const float best = *std::max_element(row, row + seq_len);
+    float total = 0.f;
+    for (int64_t t = 0; t < seq_len; ++t) total += (row[t] = std::exp(row[t] - best));
+    const float inverse = 1.f / total;
+    for (int64_t t = 0; t < seq_len; ++t) row[t] *= inverse;
+  }
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  for_each_token(v_cache, table, seq_len, l, s.row.data(), [&](int64_t t, const float* values) {
+    for (int64_t h = 0; h < heads; ++h)
+      add_scaled(s.acc.data() + h * dim, values + (h / group) * dim, scores[h * seq_len + t], dim);
+  });
+  for (int64_t i = 0; i < heads * dim; ++i) store(out + i, s.acc[i]);
+}
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, const Layout& l,
+            at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), stride = l.num_heads * l.head_dim;
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = k_cache.data_ptr<T>();
+  const T* v_data = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* out_data = out.data_ptr<T>();
+  const int64_t longest = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(l, longest);
+    for (int64_t seq = begin; seq < end; ++seq)
+      attend_sequence<T>(q_data + seq * stride, k_data, v_data, tables + seq * l.max_blocks,
+                         lens[seq], l, out_data + seq * stride, scratch);
+  });
+}
+
+at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [seqs, heads, dim], cache 4-d expected");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "head_dim mismatch or heads not a multiple of kv heads");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+              "one block table row and one length per sequence");
+  const at::Tensor query = q.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  at::Tensor out = at::empty_like(query);
+  const Layout layout{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), tables.size(1),
+                      k_cache.stride(0), static_cast<float>(scale)};
+  if (q.scalar_type() == at::kFloat) {
+    decode<float>(query, k_cache, v_cache, tables, lens, layout, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode<at::BFloat16>(query, k_cache, v_cache, tables, lens, layout, out);
+  } else {
+    TORCH_CHECK(false, "paged_attention_decode: float32 or bfloat16 expected, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(conveyor_cpu, m) {
+  m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+  m.impl("paged_attention_decode", c10::DispatchKey::CPU, &paged_attention_decode);
+}

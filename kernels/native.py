@@ -1,0 +1,93 @@
+"""Native CPU kernels (kernels/cpu/*.cpp), built once per machine and loaded as torch ops.
+
+`make install` builds them (`python -m kernels.native`); a process that finds no build builds
+once on first use. The build lives in ~/.cache/conveyor/kernels/<key>, the key covering the
+sources, torch's version and the CPU's instruction set (they are compiled for this CPU).
+CONVEYOR_NATIVE_KERNELS=0 turns them off: the torch references in kernels/reference.py, which are
+also their test oracle, run instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "cpu" / "paged_decode.cpp",)
+LIBRARY = "conveyor_cpu"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+
+
+def enabled() -> bool:
+    return os.environ.get("CONVEYOR_NATIVE_KERNELS", "1") != "0"
+
+
+@functools.cache
+def native_ops():
+    """torch.ops.conveyor_cpu, built if needed; None where they are turned off or cannot build
+    (no compiler): the reason is logged once and the references run."""
+    if not enabled():
+        return None
+    try:
+        build()
+    except Exception as error:  # a missing compiler or ninja is not a reason to stop serving
+        log.warning("native CPU kernels unavailable (%s); using the torch references", error)
+        return None
+    return getattr(torch.ops, LIBRARY)
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile (once per key) and load the library into this process; returns its directory."""
+    from torch.utils import cpp_extension
+
+    directory = _cache_root() / _build_key()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=LIBRARY,
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return directory
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "conveyor" / "kernels"
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(platform.machine().encode())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print(f"native CPU kernels built in {build(verbose='-v' in sys.argv)}")

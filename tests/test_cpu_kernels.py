@@ -1,0 +1,72 @@
+"""The native CPU kernels (kernels/cpu/) against their oracle, the torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native, reference
+
+BLOCK_SIZE, NUM_BLOCKS = 16, 96
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert native.enabled(), "CONVEYOR_NATIVE_KERNELS=0: nothing to test"
+    built = native.native_ops()
+    assert built is not None, "the native CPU kernels did not build (see the log)"
+    return built
+
+
+def _decode_case(num_seqs, num_heads, num_kv_heads, head_dim, dtype, max_len, generator):
+    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    seq_lens = torch.randint(1, max_len + 1, (num_seqs,), generator=generator, dtype=torch.int32)
+    max_blocks = (max_len + BLOCK_SIZE - 1) // BLOCK_SIZE + 1  # a spare column, never read
+    tables = torch.randperm(NUM_BLOCKS, generator=generator)[: num_seqs * max_blocks]
+    tables = tables.view(num_seqs, max_blocks).to(torch.int32)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, tables, seq_lens
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 16), (2, 1, 8)]
+)
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_paged_decode_matches_reference(ops, num_heads, num_kv_heads, head_dim, dtype, atol):
+    generator = torch.Generator().manual_seed(num_heads * 100 + head_dim)
+    case = _decode_case(6, num_heads, num_kv_heads, head_dim, dtype, 70, generator)
+    expected = reference.paged_attention_decode(*case, scale=head_dim**-0.5)
+    out = ops.paged_attention_decode(*case, head_dim**-0.5)
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
+def test_paged_decode_reads_only_the_table_entries_in_use(ops):
+    """Keys past a sequence's length and blocks outside its table never change its output."""
+    generator = torch.Generator().manual_seed(7)
+    q, k_cache, v_cache, tables, seq_lens = _decode_case(4, 4, 2, 16, torch.float32, 40, generator)
+    before = ops.paged_attention_decode(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    used = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, dtype=torch.bool)
+    for seq, length in enumerate(seq_lens.tolist()):
+        for position in range(length):
+            used[tables[seq, position // BLOCK_SIZE], position % BLOCK_SIZE] = True
+    k_cache[~used], v_cache[~used] = float("nan"), float("nan")
+    after = ops.paged_attention_decode(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
+def test_paged_decode_refuses_mismatched_inputs(ops):
+    generator = torch.Generator().manual_seed(3)
+    q, k_cache, v_cache, tables, seq_lens = _decode_case(2, 4, 2, 16, torch.float32, 20, generator)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_attention_decode(q, k_cache, v_cache, tables.long(), seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.paged_attention_decode(q.double(), k_cache, v_cache, tables, seq_lens, 1.0)
+
+
+def test_backend_uses_the_native_decode_on_cpu(ops):
+    from runtime.attention import AttentionBackend
+
+    assert AttentionBackend(torch.device("cpu"), BLOCK_SIZE).native is ops
