@@ -117,7 +117,9 @@ class BlockManager:
         request.block_ids.extend(cached)
         needed = self.num_blocks_needed(request, num_new_tokens)
         request.block_ids.extend(self._take_free_block() for _ in range(needed))
-        self._cache_computed_blocks(request, request.num_computed_tokens + num_new_tokens)
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if cached or needed or num_tokens // self.block_size > len(request.block_hashes):
+            self._cache_computed_blocks(request, num_tokens)  # else: a decode inside its block
         return True
 
     def _cache_computed_blocks(self, request: Request, num_tokens: int) -> None:

@@ -242,3 +242,16 @@ def test_locate_tokenizer_finds_the_single_gguf_in_a_directory():
     folder = smollm2_folder()
     assert locate_tokenizer(folder) == (folder, GGUF_FILE)
     assert locate_tokenizer(folder / GGUF_FILE) == (folder, GGUF_FILE)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_equals_transformers_decode(tokenizer, skip_special_tokens):
+    """The backend's decoder, called directly, gives what HF's decode (no clean-up) gives."""
+    assert tokenizer.backend is not None
+    rng = random.Random(5)
+    for _ in range(20):
+        ids = random_token_ids(tokenizer, rng, rng.randint(1, 40)) + [tokenizer.eos_token_ids[0]]
+        expected = tokenizer.hf_tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+        assert tokenizer.decode(ids, skip_special_tokens) == expected
