@@ -83,11 +83,21 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, json_schema_extra={"flag": "--no-prefix-caching"})
     enforce_eager: bool = Field(False, description="CUDA: run decode without graphs")
     seed: int = Field(0, description="seeds the sampler of requests without their own seed")
+    async_output: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="build step N's outputs (detokenize) while the device runs step N+1; "
+        "auto: on CUDA",
+    )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolved_async_output(self) -> bool:
+        if self.async_output == "auto":
+            return self.resolved_device().type == "cuda"
+        return self.async_output == "on"
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

@@ -1,5 +1,12 @@
 """Engine: the synchronous step loop (schedule -> run -> update -> detokenize). Asyncio callers
-reach it through `runtime.engine_client.EngineClient`, which runs it on its own thread."""
+reach it through `runtime.engine_client.EngineClient`, which runs it on its own thread.
+
+With async output (on CUDA by default, as vLLM's async output processing) a step's outputs are
+built during the next step's forward pass: `step()` schedules and launches step N, then
+detokenizes step N-1 and builds its outputs while the device works, then waits for step N's
+tokens. A request that step N-1's detokenizer stops on a stop string was already scheduled in
+step N; that token is computed and dropped, so the outputs are the same either way.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.block_manager import BlockManager
 from scheduler.config import PreemptionCostModel, SchedulerConfig
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,15 @@ class RequestOutput:
 _ids = itertools.count()
 
 
+@dataclass
+class StepResult:
+    """A step whose tokens are known but whose outputs are not built yet."""
+
+    out: SchedulerOutput
+    sampled: dict[str, tuple[int, Any]]  # request id -> (token, logprobs or None)
+    advanced: list[Request]  # requests that got a token, in step order
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -72,6 +88,8 @@ class Engine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_events_sent: dict[str, int] = {}
         self.num_steps = 0
+        self.async_output = config.resolved_async_output()
+        self.unbuilt: StepResult | None = None  # async output: the last step, outputs to build
 
     def reset_scheduler(self, **config_changes) -> None:
         """A fresh scheduler and block manager (empty prefix cache) on the loaded model, with
@@ -172,25 +190,37 @@ class Engine:
         return self._finish_output(request, [], "")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.unbuilt is not None or self.scheduler.has_unfinished()
 
     def seconds_until_runnable(self) -> float:
         """How long a step would do nothing (dynamic batching waiting for its batch)."""
-        return self.scheduler.seconds_until_runnable()
+        return 0.0 if self.unbuilt is not None else self.scheduler.seconds_until_runnable()
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns its outputs, or with async output the previous step's."""
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out)
+        launched = self.runner.launch(out)
+        unbuilt, self.unbuilt = self.unbuilt, None
+        outputs = self._build_outputs(unbuilt) if unbuilt else []  # while the device runs
+        sampled = self.runner.collect(launched)
         self.num_steps += 1
         tokens = {rid: token for rid, (token, _) in sampled.items()}
-        advanced = self.scheduler.update_from_output(out, tokens)
-        outputs = [self._output_for(r, sampled[r.request_id][1]) for r in advanced]
-        outputs += self._event_only_outputs(out, {o.request_id for o in outputs})
-        return outputs
+        result = StepResult(out, sampled, self.scheduler.update_from_output(out, tokens))
+        if self.async_output:
+            self.unbuilt = result if result.advanced or out.preempted else None
+            return outputs
+        return outputs + self._build_outputs(result)
 
-    def _output_for(self, request: Request, logprobs) -> RequestOutput:
-        token_id = request.output_token_ids[-1]
+    def _build_outputs(self, result: StepResult) -> list[RequestOutput]:
+        outputs = [
+            self._output_for(r, *result.sampled[r.request_id])
+            for r in result.advanced
+            if r.status is not RequestStatus.FINISHED_ABORTED  # aborted since: last output sent
+        ]
+        return outputs + self._event_only_outputs(result.out, {o.request_id for o in outputs})
+
+    def _output_for(self, request: Request, token_id: int, logprobs) -> RequestOutput:
         detok = self.detokenizers[request.request_id]
         text = detok.add_tokens([token_id])
         if detok.stop_hit is not None and not request.is_finished:
@@ -206,7 +236,11 @@ class Engine:
 
     def _event_only_outputs(self, out, done: set[str]) -> list[RequestOutput]:
         """Requests preempted this step get an output carrying their new events."""
-        return [self._make_output(r, [], "") for r in out.preempted if r.request_id not in done]
+        return [
+            self._make_output(r, [], "")
+            for r in out.preempted
+            if r.request_id not in done and r.status is not RequestStatus.FINISHED_ABORTED
+        ]
 
     def _make_output(self, request: Request, token_ids, text, logprobs=()) -> RequestOutput:
         sent = self.num_events_sent.get(request.request_id, 0)

@@ -133,3 +133,77 @@ def test_length_groups_bound_padding_and_cover_every_sequence():
     assert len(groups) > 1 and length_groups([300] * 128) == [(0, 128)]
     padded = sum(max(lens[a:b]) * (b - a) for a, b in groups)
     assert padded < 0.7 * max(lens) * len(lens)  # one group would pad every row to 510
+
+
+def _outputs_by_request(engine: Engine, prompts, params, abort_after: dict[int, int] = ()):
+    """Every RequestOutput per request, stepping by hand; abort_after: {request index: step}."""
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    seen = {r.request_id: [] for r in requests}
+    num_steps = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+        num_steps += 1
+        for index, step in dict(abort_after).items():
+            if step == num_steps:
+                output = engine.abort(requests[index].request_id)
+                if output is not None:
+                    seen[output.request_id].append(output)
+    return [seen[r.request_id] for r in requests]
+
+
+def _summary(outputs):
+    return [
+        (
+            [t for o in per for t in o.new_token_ids],
+            "".join(o.new_text for o in per),
+            per[-1].finish_reason,
+            [o.finished for o in per].count(True),
+            [o.logprobs for o in per],
+        )
+        for per in outputs
+    ]
+
+
+def test_async_output_gives_the_same_outputs(tiny_model_dir):
+    """Outputs built one step late (while the next step runs) are the outputs built at once:
+    tokens, text, stop strings (the extra token scheduled is dropped), seeds, max_tokens, an
+    abort between steps (no output after its final one), and every block freed."""
+    prompts = [[5, 6, 7] * k for k in range(1, 7)]
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engines = {
+        mode: Engine(
+            EngineConfig(
+                model=str(tiny_model_dir),
+                dtype="float32",
+                num_kv_blocks=64,
+                max_num_seqs=4,
+                async_output=mode,
+            )
+        )
+        for mode in ("off", "on")
+    }
+    assert not engines["off"].async_output and engines["on"].async_output
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    first = _outputs_by_request(engines["off"], prompts[1:2], [seeded])[0]
+    stop_text = "".join(o.new_text for o in first)[3:6]
+    assert len(stop_text) == 3, "the sampled text is too short to pick a stop string from"
+    params = [
+        plain,
+        SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True, stop=[stop_text]),
+        SamplingParams(max_tokens=9, temperature=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),
+        plain,
+        SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+    ]
+    results = {
+        mode: _outputs_by_request(engine, prompts, params, abort_after={4: 3})
+        for mode, engine in engines.items()
+    }
+    assert _summary(results["on"]) == _summary(results["off"])
+    assert results["on"][1][-1].finish_reason == "stop"
+    assert results["on"][4][-1].finish_reason == "abort"
+    for per in results["on"]:
+        assert [o.finished for o in per].count(True) == 1 and per[-1].finished
+    for engine in engines.values():
+        assert blocks_in_use(engine) == 0 and engine.unbuilt is None
