@@ -134,7 +134,8 @@ def run_step_bench(model_dir: Path, args: argparse.Namespace) -> dict:
 
 
 def _install_timers(runner) -> dict[str, float]:
-    """Wraps the runner's execute, vocabulary projection and sampler with wall-clock timers."""
+    """Wraps the runner's launch and collect (together: execute), vocabulary projection and
+    sampler with wall-clock timers."""
     timers = {"execute": 0.0, "logits": 0.0, "sampling": 0.0}
 
     def timed(name, fn):
@@ -147,7 +148,8 @@ def _install_timers(runner) -> dict[str, float]:
 
         return wrapper
 
-    runner.execute = timed("execute", runner.execute)
+    runner.launch = timed("execute", runner.launch)
+    runner.collect = timed("execute", runner.collect)
     runner.model.compute_logits = timed("logits", runner.model.compute_logits)
     runner.sampler.sample_on_device = timed("sampling", runner.sampler.sample_on_device)
     return timers
