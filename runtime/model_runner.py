@@ -163,9 +163,7 @@ class ModelRunner:
                 params, indices["penalty_rows"], indices["prompt_ids"], indices["output_ids"]
             )
         grammar_mask = mask.result() if mask is not None else None
-        return self.sampler.sample_on_device(
-            logits, plan, params, indices, penalties, grammar_mask
-        )
+        return self.sampler.sample_on_device(logits, plan, params, indices, penalties, grammar_mask)
 
     def collect(self, step: LaunchedStep) -> dict[str, tuple[int, object]]:
         """Wait for a launched step's sampled ids (the step's one copy back) and hand them out."""

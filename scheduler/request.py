@@ -153,8 +153,9 @@ class SamplingParams:
             raise SamplingParamsError("grammar", "must be a GrammarSpec")
         if self.ignore_eos:
             raise SamplingParamsError(
-                "ignore_eos", "cannot be true with a response_format or tools: a constrained "
-                "answer ends with the end-of-sequence token"
+                "ignore_eos",
+                "cannot be true with a response_format or tools: a constrained "
+                "answer ends with the end-of-sequence token",
             )
 
 

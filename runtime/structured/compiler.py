@@ -115,11 +115,15 @@ class GrammarCompiler:
         except GrammarError:
             raise
         except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's, pydantic's
-            raise GrammarError(f"invalid schema: {compiler_message(error)}", code="invalid_schema") from None
+            raise GrammarError(
+                f"invalid schema: {compiler_message(error)}", code="invalid_schema"
+            ) from None
 
 
 def parse_json(text: str, what: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as error:
-        raise GrammarError(f"the {what} is not valid JSON: {error}", code="invalid_schema") from None
+        raise GrammarError(
+            f"the {what} is not valid JSON: {error}", code="invalid_schema"
+        ) from None

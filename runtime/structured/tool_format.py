@@ -61,7 +61,9 @@ def tool_call_spec(
     """choice: "auto", "required", or the name of the one function to call."""
     check_tools(functions)
     forced = choice != "auto"
-    chosen = functions if choice in ("auto", "required") else [f for f in functions if f.name == choice]
+    chosen = (
+        functions if choice in ("auto", "required") else [f for f in functions if f.name == choice]
+    )
     tags = [
         {
             "type": "tag",

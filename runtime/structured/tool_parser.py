@@ -69,7 +69,10 @@ class ToolCallStream:
             self.state = "header"
             return self._content(before), True
         held = held_back(self.buffer, TRIGGER)
-        emitted, self.buffer = self.buffer[: len(self.buffer) - held], self.buffer[len(self.buffer) - held :]
+        emitted, self.buffer = (
+            self.buffer[: len(self.buffer) - held],
+            self.buffer[len(self.buffer) - held :],
+        )
         return self._content(emitted), False
 
     def _content(self, text: str) -> ToolCallDelta | None:
