@@ -49,10 +49,11 @@ def render_tool_call(name: str, arguments: str) -> str:
 
 def check_tools(functions: list[ToolFunction]) -> None:
     for i, function in enumerate(functions):
+        where = f"tools.{i}.function.parameters"
         try:
-            check_schema(function.parameters, "parameters")
+            check_schema(function.parameters, where)
         except GrammarError as error:
-            raise GrammarError(str(error), f"tools[{i}].function.parameters", error.code) from None
+            raise GrammarError(str(error), where, error.code) from None
 
 
 def tool_call_spec(
