@@ -59,10 +59,15 @@ class ToolDeltas:
 
     def deltas(self, index: int, new_text: str, finished: bool) -> list[ChatChunkChoice]:
         pieces = self.stream.feed(new_text) + (self.stream.finish() if finished else [])
+        pieces = [p for p in pieces if not self.is_separator(p)]
         return [
             ChatChunkChoice(index=index, delta=self.delta(p), logprobs=None, finish_reason=None)
             for p in pieces
         ]
+
+    def is_separator(self, piece: ToolCallDelta) -> bool:
+        """Whitespace between or after calls is no content."""
+        return piece.index is None and self.num_calls > 0 and not piece.content.strip()
 
     def delta(self, piece: ToolCallDelta) -> ChatDelta:
         if piece.index is None:

@@ -7,8 +7,9 @@ enforces and the parser reads (Hermes style, as Qwen and many open models write 
 
 The grammar is an xgrammar structural tag: one tag per function whose begin fixes the name and
 whose content is the function's parameters schema. `auto` allows text and tool calls (the
-trigger `<tool_call>` starts one), `required` and a named function force at least one call
-from the first token, and without parallel tool calls the answer ends after the first.
+trigger `<tool_call>` starts one), `required` and a named function force calls only (at least
+one, from the first token, separated by newlines), and without parallel tool calls the answer
+ends after the first.
 """
 
 from __future__ import annotations
@@ -80,13 +81,12 @@ def tool_call_spec(
     ]
     if not tags:
         raise GrammarError(f"no function named '{choice}' in tools", "tool_choice")
-    tag_format = {
-        "type": "triggered_tags",
-        "triggers": [TRIGGER],
-        "tags": tags,
-        "at_least_one": forced,
-        "stop_after_first": not parallel or choice not in ("auto", "required"),
-    }
+    one_call = not parallel or choice not in ("auto", "required")
+    if forced:  # calls only, one after the other: no text before, between or after them
+        tag_format = {"type": "tags_with_separator", "tags": tags, "separator": "\n"}
+    else:
+        tag_format = {"type": "triggered_tags", "triggers": [TRIGGER], "tags": tags}
+    tag_format |= {"at_least_one": forced, "stop_after_first": one_call}
     structural_tag = {"type": "structural_tag", "format": tag_format}
     return GrammarSpec("structural_tag", json.dumps(structural_tag, sort_keys=True))
 
