@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 from test_openai_embedded import client, demo_key, embedded_server  # noqa: F401 (fixtures)
-from test_server_support import MODEL_NAME
+from test_server_support import MODEL_NAME, create_tenant_with_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
@@ -190,6 +190,27 @@ def test_bad_schemas_are_400s_naming_the_field(client):
     body = error.value.body
     assert body["code"] == "unsupported_schema_keyword"
     assert body["param"] == "response_format.json_schema.schema"
+
+
+def test_a_grammar_past_the_tenants_cap_is_a_400(embedded_server, unique_name):
+    key = create_tenant_with_key(embedded_server.database_url, unique_name, max_grammar_bytes=4000)
+    with openai.OpenAI(
+        base_url=embedded_server.base_url + "/v1", api_key=key, max_retries=0
+    ) as capped:
+        with pytest.raises(openai.BadRequestError) as error:
+            capped.chat.completions.create(
+                model=MODEL_NAME, messages=ASK_WEATHER, response_format=city_format(), max_tokens=5
+            )
+        assert error.value.body["code"] == "schema_too_large"
+        assert error.value.body["param"] == "response_format.json_schema.schema"
+        small = capped.chat.completions.create(
+            model=MODEL_NAME,
+            messages=ASK_WEATHER,
+            max_tokens=5,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "yes", "schema": {"enum": ["yes"]}}},
+        )  # fmt: skip
+        assert small.choices[0].message.content in ("", '"', '"yes', '"yes"')
 
 
 def test_the_audit_trail_and_metrics_say_constrained(client, embedded_server):
