@@ -149,3 +149,29 @@ def test_bad_grammars_are_refused_with_the_field(engine):
     with pytest.raises(SamplingParamsError) as refused:
         person_params(ignore_eos=True).validate()
     assert refused.value.param == "ignore_eos"
+
+
+def test_generate_lines_take_response_format_and_tools(engine):
+    from runtime.offline import run_offline
+
+    weather = {
+        "type": "function",
+        "function": {"name": WEATHER.name, "parameters": WEATHER.parameters},
+    }
+    ask = [{"role": "user", "content": "Weather in Rome?"}]
+    lines = [
+        json.dumps({"id": "schema", "messages": [{"role": "user", "content": "A person as JSON."}],
+                    "max_tokens": 80, "temperature": 0,
+                    "response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "p", "schema": PERSON}}}),
+        json.dumps({"id": "tool", "messages": ask, "max_tokens": 60, "temperature": 0,
+                    "tools": [weather], "tool_choice": "required", "parallel_tool_calls": False}),
+        json.dumps({"id": "bad", "prompt": "x", "response_format": {"type": "json_schema",
+                    "json_schema": {"name": "b", "schema": {"not": {}}}}}),
+    ]  # fmt: skip
+    schema, tool, bad = run_offline(engine, lines, progress=False)
+    if schema["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(schema["text"]), PERSON)
+    assert tool["finish_reason"] == "tool_calls" and tool["tool_calls"][0]["name"] == WEATHER.name
+    jsonschema.validate(json.loads(tool["tool_calls"][0]["arguments"]), WEATHER.parameters)
+    assert "not" in bad["error"]
