@@ -77,7 +77,8 @@ class MaskBuilder:
         bitmask = host[: num_rows * words].view(num_rows, words)
         for i, matcher in enumerate(matchers):
             matcher.fill_next_token_bitmask(bitmask, i)
-        host[num_rows * words :] = torch.tensor(rows, dtype=torch.int32)
+        for i, row in enumerate(rows):  # a few ints, written in place (no new tensor)
+            host[num_rows * words + i] = row
         return host, num_rows, covers_all
 
     @property
