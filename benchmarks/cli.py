@@ -3,8 +3,8 @@
 The runs live beside this file: offline.py (throughput against transformers), priority.py
 (latency under load, preemption, tenant fair share), serve.py (load over HTTP on any
 OpenAI-compatible server), overhead.py (what the HTTP path adds to TTFT), gpu.py (Triton
-kernels against their references, on a CUDA machine) and step.py (the host cost of a decode
-step on a near-zero model).
+kernels against their references, on a CUDA machine), step.py (the host cost of a decode
+step on a near-zero model) and structured.py (constrained against free output tok/s).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from runtime.config import EngineConfig
 
 def register_bench(bench_subparsers) -> None:
     """Adds every `conveyor bench <name>`."""
-    from benchmarks import gpu, overhead, serve, step
+    from benchmarks import gpu, overhead, serve, step, structured
 
     register_offline(bench_subparsers)
     register_priority(bench_subparsers)
@@ -25,6 +25,7 @@ def register_bench(bench_subparsers) -> None:
     overhead.register(bench_subparsers)
     gpu.register(bench_subparsers)
     step.register(bench_subparsers)
+    structured.register(bench_subparsers)
 
 
 def register_offline(sub) -> None:

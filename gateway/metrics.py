@@ -39,6 +39,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+GRAMMAR_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 STEP_RATE_WINDOW_S = 10.0
 STEP_SAMPLE_INTERVAL_S = 1.0
 
@@ -89,6 +90,19 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.grammar_compile = Histogram(
+            PREFIX + "grammar_compile_seconds",
+            "Time to compile a request's grammar (structured outputs, tool calls); cache hits "
+            "count as 0.",
+            buckets=GRAMMAR_BUCKETS,
+            registry=r,
+        )
+        self.constrained_requests = Counter(
+            PREFIX + "constrained_requests",
+            "Requests decoded under a grammar, by kind and grammar cache outcome.",
+            ["kind", "cache"],
+            registry=r,
+        )
         self.queue_time = Histogram(
             PREFIX + "request_queue_time_seconds",
             "Time in the engine's waiting line before first being scheduled.",
@@ -117,6 +131,10 @@ class Metrics:
             self.queue_time.observe(tracker.queue_time_s)
         for gap in tracker.inter_token_s:
             self.itl.observe(gap)
+
+    def observe_grammar(self, kind: str, compile_s: float, cache_hit: bool) -> None:
+        self.grammar_compile.observe(compile_s)
+        self.constrained_requests.labels(kind, "hit" if cache_hit else "miss").inc()
 
     def observe_refused(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(tenant, reason).inc()

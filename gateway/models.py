@@ -85,6 +85,7 @@ class Tenant(Base):
     max_concurrency: Mapped[int | None] = mapped_column(Integer)
     daily_token_quota: Mapped[int | None] = mapped_column(BigInteger)
     monthly_token_quota: Mapped[int | None] = mapped_column(BigInteger)
+    max_grammar_bytes: Mapped[int | None] = mapped_column(BigInteger)  # one compiled grammar
     enabled: Mapped[bool] = mapped_column(default=True)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow, onupdate=utcnow)

@@ -19,6 +19,9 @@ from runtime.config import EngineConfig
 from runtime.kv_cache import measure_copy_bandwidth
 from runtime.model_loader import resolve_model, served_model_name
 from runtime.model_runner import ModelRunner
+from runtime.structured.compiler import PreparedGrammar
+from runtime.structured.outputs import StructuredOutputs
+from runtime.structured.schema_rules import GrammarError
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.block_manager import BlockManager
 from scheduler.config import PreemptionCostModel, SchedulerConfig
@@ -76,6 +79,10 @@ class Engine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
+        self.structured = StructuredOutputs(
+            self.tokenizer.hf_tokenizer, mc.vocab_size, self.eos_token_ids, self.runner.device
+        )
+        self.runner.grammar_masks = self.structured.masks
         self.block_manager = BlockManager(
             self.runner.num_gpu_blocks,
             config.block_size,
@@ -163,11 +170,17 @@ class Engine:
         tenant: str = "default",
         weight: float = 1.0,
         stop_params: dict | None = None,
+        grammar: PreparedGrammar | None = None,
     ) -> Request:
+        """grammar: the compiled grammar of params.grammar (EngineClient.prepare_grammar); a
+        constrained request without one is compiled here, on the caller's thread."""
         params = params or SamplingParams()
         self.validate(prompt_token_ids, params)
+        request_id = request_id or f"req-{next(_ids)}"
+        if params.grammar is not None:
+            self._admit_grammar(request_id, params, grammar)
         request = Request(
-            request_id=request_id or f"req-{next(_ids)}",
+            request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             priority=priority,
@@ -181,6 +194,12 @@ class Engine:
         self.num_events_sent[request.request_id] = 0
         self.scheduler.add_request(request)
         return request
+
+    def _admit_grammar(self, request_id: str, params: SamplingParams, grammar) -> None:
+        try:
+            self.structured.admit(request_id, params.grammar, grammar)
+        except GrammarError as e:
+            raise RequestError(str(e), code=e.code, param=e.param or "response_format") from e
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -206,7 +225,10 @@ class Engine:
         sampled = self.runner.collect(launched)
         self.num_steps += 1
         tokens = {rid: token for rid, (token, _) in sampled.items()}
-        result = StepResult(out, sampled, self.scheduler.update_from_output(out, tokens))
+        advanced = self.scheduler.update_from_output(out, tokens)
+        for request in self.structured.advance(advanced):  # its grammar is complete
+            self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
+        result = StepResult(out, sampled, advanced)
         if self.async_output:
             self.unbuilt = result if result.advanced or out.preempted else None
             return outputs
@@ -265,6 +287,7 @@ class Engine:
         self.detokenizers.pop(request.request_id, None)
         self.num_events_sent.pop(request.request_id, None)
         self.runner.sampler.release(request.request_id)
+        self.structured.release(request.request_id)
         return output
 
     def generate(

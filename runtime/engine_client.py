@@ -21,17 +21,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from runtime.engine import Engine, RequestOutput
 from runtime.model_loader import served_model_names
+from runtime.structured.compiler import PreparedGrammar
 from runtime.tokenizer import Tokenizer
-from scheduler.request import Request, SamplingParams
+from scheduler.request import GrammarSpec, Request, SamplingParams
 
 log = logging.getLogger(__name__)
 
 NUM_STEP_TIMES = 100  # the mean step time is over this many steps
 IDLE_WAIT_S = 0.5
+NUM_GRAMMAR_THREADS = 2  # compiles run beside the engine thread, never on the event loop
 
 _ids = itertools.count()
 
@@ -160,6 +163,7 @@ class AddRequest:
     priority: int = 0
     tenant: str = "default"
     weight: float = 1.0
+    grammar: PreparedGrammar | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,9 @@ class EngineClient:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="conveyor-engine", daemon=True)
         self._step_times: deque[float] = deque(maxlen=NUM_STEP_TIMES)
+        self._grammar_pool = ThreadPoolExecutor(
+            NUM_GRAMMAR_THREADS, thread_name_prefix="conveyor-grammar"
+        )
 
     # ---- the event loop's side --------------------------------------------------------------
     def start(self) -> None:
@@ -198,6 +205,7 @@ class EngineClient:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_running(self) -> bool:
@@ -208,6 +216,18 @@ class EngineClient:
         """Thread-safe: encoding and decoding keep no state between calls."""
         return self._engine.tokenizer
 
+    async def prepare_grammar(
+        self, spec: GrammarSpec, max_size_bytes: int | None = None
+    ) -> PreparedGrammar:
+        """The spec's compiled grammar (cached by the spec's hash), compiled on a worker thread:
+        neither the event loop nor an engine step waits for it. Raises GrammarError for an
+        invalid or unsupported schema, or one whose compiled size passes max_size_bytes."""
+        loop = asyncio.get_running_loop()
+        structured = self._engine.structured
+        return await loop.run_in_executor(
+            self._grammar_pool, structured.prepare, spec, max_size_bytes
+        )
+
     def submit(
         self,
         prompt_token_ids: list[int],
@@ -216,6 +236,7 @@ class EngineClient:
         priority: int = 0,
         tenant: str = "default",
         weight: float = 1.0,
+        grammar: PreparedGrammar | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's stream of outputs; closing it before it finishes aborts the request.
 
@@ -225,7 +246,9 @@ class EngineClient:
         request_id = request_id or f"req-{next(_ids)}"
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        add = AddRequest(request_id, list(prompt_token_ids), params, priority, tenant, weight)
+        add = AddRequest(
+            request_id, list(prompt_token_ids), params, priority, tenant, weight, grammar
+        )
         self._send(add)
         return self._iterate(request_id, stream)
 
@@ -319,6 +342,7 @@ class EngineClient:
                 add.priority,
                 add.tenant,
                 add.weight,
+                grammar=add.grammar,
             )
         except Exception as e:
             self._deliver_to(add.request_id, e)

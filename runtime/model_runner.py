@@ -71,6 +71,7 @@ class ModelRunner:
             self.device,
         )
         self.staging = StagingBuffer(self.device)
+        self.grammar_masks = None  # runtime.structured.MaskBuilder, set by the engine
         self.decode_graphs = self._capture_graphs(config) if self.device.type == "cuda" else None
         if self.device.type == "cuda":
             self.warm_up()  # Triton compiles on first use: not on the first request's time
@@ -140,13 +141,19 @@ class ModelRunner:
         host = prepare_host_step(self.input_batch, out.scheduled, self.block_size)
         inputs = device_step(self.input_batch, host, self.staging.stage(host.parts))
         self.backend.prepare(inputs.attn)
+        mask = self._start_grammar_masks(host)  # filled on a worker while the forward runs
         hidden = self._forward(inputs)  # [num_tokens, hidden]
         if not host.sample_requests:
             return LaunchedStep(host, None)
         logits = self.model.compute_logits(hidden[inputs.sample_index])  # only rows that sample
-        return LaunchedStep(host, copy_to_host(self._sample(logits, host, inputs)))
+        return LaunchedStep(host, copy_to_host(self._sample(logits, host, inputs, mask)))
 
-    def _sample(self, logits: torch.Tensor, host: HostStep, inputs: StepInputs) -> torch.Tensor:
+    def _start_grammar_masks(self, host: HostStep):
+        if self.grammar_masks is None or not host.sample_requests:
+            return None
+        return self.grammar_masks.start(host.sample_requests)
+
+    def _sample(self, logits, host: HostStep, inputs: StepInputs, mask=None) -> torch.Tensor:
         staged, plan = inputs.staged, host.sampling
         indices = {name[2:]: t for name, t in staged.items() if name.startswith("s_")}
         params = self.input_batch.device_params[inputs.sample_rows]  # [num_samples, NUM_PARAMS]
@@ -155,7 +162,8 @@ class ModelRunner:
             penalties = penalty_inputs(
                 params, indices["penalty_rows"], indices["prompt_ids"], indices["output_ids"]
             )
-        return self.sampler.sample_on_device(logits, plan, params, indices, penalties)
+        grammar_mask = mask.result() if mask is not None else None
+        return self.sampler.sample_on_device(logits, plan, params, indices, penalties, grammar_mask)
 
     def collect(self, step: LaunchedStep) -> dict[str, tuple[int, object]]:
         """Wait for a launched step's sampled ids (the step's one copy back) and hand them out."""

@@ -1,7 +1,9 @@
 """Offline generation: JSONL requests in, JSONL results out (in input order), with a progress bar.
 
 An input line may carry "arrival_time" (seconds after the start): it is submitted then, so a
-preemption scenario can be replayed from a file."""
+preemption scenario can be replayed from a file. "response_format", "tools", "tool_choice" and
+"parallel_tool_calls" constrain the answer as in the HTTP API; a line with tools in play gets
+"tool_calls" (name and JSON arguments) in its result."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import Any
 from tqdm import tqdm
 
 from runtime.engine import Engine, RequestError
+from runtime.structured.requests import grammar_of, template_messages, tool_choice_name
+from runtime.structured.tool_parser import parse_tool_calls
 from scheduler.request import Request, SamplingParams
 
 PARAM_FIELDS = (
@@ -41,6 +45,7 @@ class OfflineItem:
     priority: int = 0
     tenant: str = "default"
     arrival_time: float = 0.0
+    calls_tools: bool = False
     error: str | None = None
     result: dict[str, Any] | None = None
 
@@ -54,18 +59,19 @@ def parse_line(engine: Engine, index: int, line: str) -> OfflineItem:
         item.id = str(data.get("id", item.id))
         item.prompt_token_ids = _prompt_ids(engine, data)
         item.params = _sampling_params(data)
+        item.calls_tools = "messages" in data and tool_choice_name(data) is not None
         item.priority = int(data.get("priority", 0))
         item.tenant = str(data.get("tenant", "default"))
         item.arrival_time = float(data.get("arrival_time", 0.0))
         engine.validate(item.prompt_token_ids, item.params)
-    except (ValueError, TypeError, RequestError) as e:
+    except (ValueError, TypeError, KeyError, RequestError) as e:
         item.error = f"line {index + 1}: {e}"
     return item
 
 
 def _prompt_ids(engine: Engine, data: dict) -> list[int]:
     if "messages" in data:
-        return engine.tokenizer.apply_chat_template(data["messages"])
+        return engine.tokenizer.apply_chat_template(template_messages(data))
     prompt = data.get("prompt")
     if not isinstance(prompt, str):
         raise ValueError("needs a string 'prompt' or a 'messages' list")
@@ -74,7 +80,9 @@ def _prompt_ids(engine: Engine, data: dict) -> list[int]:
 
 def _sampling_params(data: dict) -> SamplingParams:
     kwargs = {k: data[k] for k in PARAM_FIELDS if k in data and data[k] is not None}
-    params = SamplingParams(**kwargs)
+    if "messages" not in data and data.get("tools"):
+        raise ValueError("tools need 'messages'")
+    params = SamplingParams(**kwargs, grammar=grammar_of(data))
     params.validate()
     return params
 
@@ -122,6 +130,12 @@ def _result(item: OfflineItem, request, start: float, with_events: bool) -> dict
         "prompt_tokens": request.num_prompt_tokens,
         "completion_tokens": request.num_output_tokens,
     }
+    if item.calls_tools:
+        content, calls = parse_tool_calls(request.output_text)
+        result["text"] = content
+        result["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
+        if calls and request.finish_reason == "stop":
+            result["finish_reason"] = "tool_calls"
     if with_events:
         result["events"] = [
             {**e.to_dict(), "time": round(e.time - start, 6)} for e in request.events

@@ -36,6 +36,7 @@ from runtime.sampling_plan import (
     plan_sampling,
     settings_of,
 )
+from runtime.structured.masks import GrammarMask
 from scheduler.request import Request, SamplingParams
 
 __all__ = [
@@ -94,11 +95,15 @@ class Sampler:
         params: torch.Tensor,
         indices: dict[str, torch.Tensor],
         penalties: PenaltyInputs | None,
+        grammar_mask: GrammarMask | None = None,
     ) -> torch.Tensor:
         """logits: [num_seqs, >= vocab]; params: [num_seqs, NUM_PARAMS] on the device; indices:
-        the plan's index tensors on the device. -> sampled ids [num_seqs] int64, or the packed
-        ids and logprobs (see pack_logprobs) when some row asks for logprobs."""
+        the plan's index tensors on the device; grammar_mask: the allowed tokens of the
+        constrained rows, applied first. -> sampled ids [num_seqs] int64, or the packed ids and
+        logprobs (see pack_logprobs) when some row asks for logprobs."""
         logits = logits[:, : self.vocab_size].float()  # [num_seqs, vocab]
+        if grammar_mask is not None:
+            logits = grammar_mask.apply(logits)
         if plan.is_plain_greedy:
             token_ids = argmax(logits)
         else:

@@ -73,6 +73,22 @@ class Bound:
         return constraints
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "structural_tag")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match: any JSON object, a JSON schema, or an xgrammar
+    structural tag (tool calls), as JSON text. Compiled and matched by `runtime.structured`."""
+
+    kind: str
+    text: str = ""  # the schema or structural tag as JSON; "" for json_object
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise SamplingParamsError("grammar", f"kind must be one of {', '.join(GRAMMAR_KINDS)}")
+
+
 MAX_N = 8
 MAX_LOGPROBS = 20
 SAMPLING_BOUNDS: dict[str, Bound] = {
@@ -105,6 +121,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the chosen one
     n: int = 1
+    grammar: GrammarSpec | None = None  # constrained decoding (structured outputs, tool calls)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +144,19 @@ class SamplingParams:
             raise SamplingParamsError("stop", "must be non-empty strings")
         if vocab_size is not None and not all(0 <= t < vocab_size for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids", f"must be token ids below {vocab_size}")
+        if self.grammar is not None:
+            self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        """A constrained answer ends where its grammar says, with an end-of-sequence token."""
+        if not isinstance(self.grammar, GrammarSpec):
+            raise SamplingParamsError("grammar", "must be a GrammarSpec")
+        if self.ignore_eos:
+            raise SamplingParamsError(
+                "ignore_eos",
+                "cannot be true with a response_format or tools: a constrained "
+                "answer ends with the end-of-sequence token",
+            )
 
 
 _request_counter = itertools.count()

@@ -137,7 +137,8 @@ async def test_tenant_out_has_exactly_the_shared_field_names(sessionmaker):
     created = await new_tenant(sessionmaker)
     assert set(created.model_dump()) == {
         "id", "name", "default_priority", "max_priority", "weight", "rpm", "burst", "tpm",
-        "max_concurrency", "daily_token_quota", "monthly_token_quota", "enabled",
+        "max_concurrency", "daily_token_quota", "monthly_token_quota", "max_grammar_bytes",
+        "enabled",
     }  # fmt: skip
     assert (created.default_priority, created.max_priority, created.weight) == (0, 0, 1.0)
     assert created.burst == 0  # no extra unless set

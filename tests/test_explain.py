@@ -359,3 +359,20 @@ def test_formatting_helpers():
     assert sequence_name(f"{RID}-0") == RID
     assert sequence_name(f"{RID}-2") == f"{RID} (choice 2)"
     assert sequence_name("req-5") == "req-5"
+
+
+def test_a_constrained_request_says_its_grammar_and_what_it_cost():
+    events = [
+        ev("received", 0.0),
+        ev("grammar_prepared", 0.012, grammar="json_schema", compile_ms=11.5, cache_hit=False),
+        queued(0.013), scheduled(0.014), finished(0.5, reason="stop"),
+    ]  # fmt: skip
+    sentences = explain(record(finish_reason="stop"), events).sentences
+    assert (
+        "constrained by a json_schema grammar, compiled in 11.5 ms before admission" in sentences[1]
+    )
+    cached = [ev("grammar_prepared", 0.0, grammar="tools", compile_ms=0.0, cache_hit=True)]
+    assert (
+        "tools grammar, from the grammar cache"
+        in explain(record(), events[:1] + cached + events[2:]).sentences[1]
+    )

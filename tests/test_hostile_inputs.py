@@ -173,16 +173,34 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 USER = {"role": "user", "content": "hi"}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+NAMED_G = {"type": "function", "function": {"name": "g"}}
+UNSUPPORTED_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"if": {}}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
+def schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
 DEEP = b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
 
 BODY_CASES = [
     # (name, path, body, status, code, param)
-    ("tools", CHAT, chat(tools=[TOOL]), 400, "unsupported_parameter", "tools"),
-    ("tool_choice", CHAT, chat(tool_choice="auto"), 400, "unsupported_parameter", "tool_choice"),
+    ("tools", CHAT, chat(tools=[TOOL]), 200, None, None),
+    ("tool_choice required without tools", CHAT, chat(tool_choice="required"), 400, None, "tool_choice"),
+    ("a named tool_choice not among tools", CHAT, chat(tools=[TOOL], tool_choice=NAMED_G), 400, None, "tool_choice"),
+    ("a tool without a function", CHAT, chat(tools=[{"type": "function"}]), 400, None, "tools.0.function"),
+    ("tool parameters with an unsupported keyword", CHAT, chat(tools=[UNSUPPORTED_TOOL]), 400, "unsupported_schema_keyword", "tools.0.function.parameters"),
     ("functions", CHAT, chat(functions=[TOOL["function"]]), 400, "unsupported_parameter", "functions"),
-    ("parallel_tool_calls", CHAT, chat(parallel_tool_calls=True), 400, "unsupported_parameter", "parallel_tool_calls"),
-    ("response_format json_schema", CHAT, chat(response_format=JSON_SCHEMA), 400, "unsupported_value", "response_format"),
-    ("response_format json_object", CHAT, chat(response_format={"type": "json_object"}), 400, "unsupported_value", "response_format"),
+    ("parallel_tool_calls", CHAT, chat(tools=[TOOL], parallel_tool_calls=False), 200, None, None),
+    ("response_format json_schema", CHAT, chat(response_format=JSON_SCHEMA), 200, None, None),
+    ("response_format json_object", CHAT, chat(response_format={"type": "json_object"}), 200, None, None),
+    ("response_format on completions", COMPLETIONS, completion(response_format=JSON_SCHEMA), 200, None, None),
+    ("an invalid schema", CHAT, chat(response_format=schema_format({"type": 5})), 400, "invalid_schema", SCHEMA_PARAM),
+    ("an unsupported schema keyword", CHAT, chat(response_format=schema_format({"not": {}})), 400, "unsupported_schema_keyword", SCHEMA_PARAM),
+    ("ignore_eos with a grammar", CHAT, chat(response_format={"type": "json_object"}, ignore_eos=True), 400, "invalid_value", "ignore_eos"),
+    ("response_format json with tools", CHAT, chat(tools=[TOOL], response_format=JSON_SCHEMA), 400, None, "response_format"),
     ("audio", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), 400, "unsupported_parameter", "audio"),
     ("modalities", CHAT, chat(modalities=["text", "audio"]), 400, "unsupported_parameter", "modalities"),
     ("prediction", CHAT, chat(prediction={"type": "content", "content": "x"}), 400, "unsupported_parameter", "prediction"),
@@ -195,8 +213,9 @@ BODY_CASES = [
     ("logit_bias at all", CHAT, chat(logit_bias={"50": 5}), 400, "unsupported_value", "logit_bias"),
     ("user message without content", CHAT, chat(messages=[{"role": "user"}]), 400, None, "messages.0.content"),
     ("message with a name", CHAT, chat(messages=[{**USER, "name": "bob"}]), 400, "unsupported_parameter", "messages.0.name"),
-    ("tool message", CHAT, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), 400, None, "messages.0.role"),
-    ("assistant tool_calls", CHAT, chat(messages=[USER, {"role": "assistant", "content": "", "tool_calls": []}]), 400, "unsupported_parameter", "messages.1.tool_calls"),
+    ("tool message", CHAT, chat(messages=[USER, {"role": "tool", "content": "x", "tool_call_id": "1"}]), 200, None, None),
+    ("tool message without its call id", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, None, "messages.0.tool_call_id"),
+    ("assistant tool_calls", CHAT, chat(messages=[USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}]), 200, None, None),
     ("echo", COMPLETIONS, completion(echo=True), 400, "unsupported_value", "echo"),
     ("suffix", COMPLETIONS, completion(suffix="end"), 400, "unsupported_value", "suffix"),
     ("best_of 3", COMPLETIONS, completion(best_of=3), 400, "unsupported_value", "best_of"),

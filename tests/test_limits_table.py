@@ -19,7 +19,7 @@ from gateway.models import Tenant
 from gateway.redis_client import make_redis
 from gateway.tenancy.admission import refusal_error, tenant_limits
 from gateway.tenancy.limit_scripts import ADMIT_LUA
-from gateway.tenancy.limits import LIMIT_FIELDS, REFUSALS
+from gateway.tenancy.limits import LIMIT_FIELDS, REFUSALS, SCRIPT_LIMIT_FIELDS
 from gateway.tenancy.ratelimit import Admission, RateLimiter, TenantLimits, limit_args
 from gateway.tenancy.tenants import TenantCreate, TenantOut, TenantUpdate
 
@@ -64,9 +64,12 @@ def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 def test_the_script_takes_the_limits_in_the_tables_order():
     values = {limit.name: index + 1 for index, limit in enumerate(LIMIT_FIELDS)}
-    assert limit_args(TenantLimits(tenant="t", **values)) == list(values.values())
+    scripted = [values[limit.name] for limit in SCRIPT_LIMIT_FIELDS]
+    assert limit_args(TenantLimits(tenant="t", **values)) == scripted
     unset = limit_args(TenantLimits(tenant="t"))
-    assert unset == [-1 if limit.nullable else limit.default for limit in LIMIT_FIELDS]
+    assert unset == [-1 if limit.nullable else limit.default for limit in SCRIPT_LIMIT_FIELDS]
+    # what the gateway checks elsewhere comes after every scripted limit: ARGV keeps its places
+    assert LIMIT_FIELDS[: len(SCRIPT_LIMIT_FIELDS)] == SCRIPT_LIMIT_FIELDS
 
 
 def test_every_refusal_the_script_gives_is_in_the_table():

@@ -127,3 +127,44 @@ def test_the_recorder_catches_a_sync(engine, monkeypatch):
         recorder.active = True
         engine.step()
     assert "tolist in attention.py:_prefill_parts" in recorder.calls
+
+
+def test_constrained_rows_add_at_most_the_bitmask_copy(engine, monkeypatch):
+    """A step with grammar-constrained rows (mixed with free ones) keeps one staged copy in and
+    one copy out. On a GPU its bitmask is one more host-to-device copy, non-blocking from
+    pinned memory (`to` in masks.py:result), filled on a worker thread while the forward runs,
+    so it cannot join the inputs' copy, staged before the forward; on a CPU it is not copied."""
+    from scheduler.request import GrammarSpec
+
+    recorder = SyncRecorder()
+    copies = {"to_device": 0, "to_host": 0}
+
+    def counted_to_device(host, device_buffer):
+        copies["to_device"] += 1
+        staging_copy(host, device_buffer)
+        recorder.active = True
+
+    def counted_to_host(device_tensor):
+        recorder.active = False
+        copies["to_host"] += 1
+        return host_copy(device_tensor)
+
+    staging_copy, host_copy = staging.copy_to_device, model_runner.copy_to_host
+    monkeypatch.setattr(staging, "copy_to_device", counted_to_device)
+    monkeypatch.setattr(model_runner, "copy_to_host", counted_to_host)
+    json_object = GrammarSpec("json_object")
+    params = [
+        SamplingParams(max_tokens=5, temperature=0.0, grammar=json_object),
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.8, seed=1, grammar=json_object),
+    ]
+    requests = [engine.add_request([5, 6, 7] * (i + 1), p) for i, p in enumerate(params)]
+    num_steps = 0
+    with recorder:
+        while engine.has_unfinished():
+            engine.step()
+            num_steps += 1
+            assert copies == {"to_device": num_steps, "to_host": num_steps}
+            assert set(recorder.calls) <= {"to in masks.py:result"}, recorder.calls
+    assert requests[0].output_text.startswith("{")
+    assert len(engine.structured.matchers) == 0

@@ -23,6 +23,7 @@ from scheduler.events import (  # noqa: F401 (re-exported: the audit trail's eng
 RECEIVED = "received"  # the gateway read the request
 ADMITTED = "admitted"  # capacity and the tenant's limits let it in
 REFUSED = "refused"  # it got a 4xx/5xx before the engine saw it
+GRAMMAR_PREPARED = "grammar_prepared"  # constrained: its grammar's kind, compile ms, cache hit
 FIRST_TOKEN = "first_token"
 CANCELLED = "cancelled"  # by an operator
 COMPLETED = "completed"  # the gateway settled it (refund, audit record)

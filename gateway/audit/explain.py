@@ -404,7 +404,7 @@ def explain(
     delays.sort(key=lambda d: (d.choice or 0, d.start_s))
     total_delay = sum(d.duration_s for d in delays)
     service = sum(totals) - total_delay
-    sentences = [overview(record, evs, received, max(totals))]
+    sentences = [overview(record, evs, received, max(totals))] + grammar_sentences(evs)
     sentences += delay_sentences(delays, multi=len(sequences) > 1)
     sentences.append(accounting(sequences, delays, totals, record))
     return Explanation(sentences, delays, max(totals), total_delay, service)
@@ -430,6 +430,17 @@ def overview(record: Mapping[str, Any], evs: list[Ev], received: float, total: f
     reason = record.get("finish_reason")
     why = f" ({reason})" if reason else ""
     return f"The request{at_priority} finished{why} in {seconds(total)}: {tokens}{ttft}."
+
+
+def grammar_sentences(evs: list[Ev]) -> list[str]:
+    """A constrained request: its grammar and what compiling it cost, before admission."""
+    prepared = first(evs, ev.GRAMMAR_PREPARED)
+    if prepared is None:
+        return []
+    data = prepared.data
+    cost = "from the grammar cache" if data.get("cache_hit") else (
+        f"compiled in {data.get('compile_ms', 0):.1f} ms before admission")  # fmt: skip
+    return [f"Its output was constrained by a {data.get('grammar', '')} grammar, {cost}."]
 
 
 def delay_sentences(delays: list[Delay], multi: bool) -> list[str]:

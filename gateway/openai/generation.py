@@ -22,6 +22,7 @@ def submit_choice(engine, plan: Plan, choice: int) -> AsyncIterator:
         priority=plan.priority,
         tenant=tenant.name,
         weight=tenant.weight,
+        grammar=None if plan.grammar is None else plan.grammar.prepared,
     )
 
 

@@ -30,8 +30,9 @@ from gateway.openai.schemas import (
     CompletionRequest,
     SamplingFields,
 )
+from gateway.openai.structured import GrammarPlan, grammar_spec, prepare, template_messages
 from runtime.engine_client import EngineInfo
-from scheduler.request import SamplingParams, SamplingParamsError
+from scheduler.request import GrammarSpec, SamplingParams, SamplingParamsError
 
 LONG_PROMPT_CHARS = 8192  # tokenize longer prompts on a thread
 
@@ -52,6 +53,11 @@ class Plan:
     priority: int
     received_at: float = field(default_factory=time.time)
     received_mono: float = field(default_factory=time.monotonic)  # the engine's event clock
+    grammar: GrammarPlan | None = None  # constrained decoding (response_format, tools)
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.grammar is not None and self.grammar.source == "tools"
 
     @property
     def num_choices(self) -> int:
@@ -83,7 +89,11 @@ def effective_priority(requested: int | None, tenant: Any) -> int:
 
 
 def sampling_params(
-    body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int
+    body: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     defaults = SamplingParams()
 
@@ -104,6 +114,7 @@ def sampling_params(
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        grammar=grammar,
     )
 
 
@@ -140,7 +151,7 @@ def check_sampling(info: EngineInfo, params: SamplingParams) -> None:
         raise bad_request(str(error), param=error.param, code="invalid_value") from None
 
 
-def make_plan(
+async def make_plan(
     request: web.Request,
     body: SamplingFields,
     prompts: list[list[int]],
@@ -149,11 +160,13 @@ def make_plan(
     param: str,
 ) -> Plan:
     principal = request[PRINCIPAL]
+    spec, source = grammar_spec(body) or (None, None)
     params = [
-        sampling_params(body, max_tokens[choice // body.n], logprobs, choice % body.n)
+        sampling_params(body, max_tokens[choice // body.n], logprobs, choice % body.n, spec)
         for choice in range(len(prompts) * body.n)
     ]
     check_sampling(request.app[ENGINE_CLIENT].info, params[0])  # choices differ in seed only
+    grammar = None if spec is None else await prepare(request, spec, source)
     received_at, received_mono = request.get(RECEIVED) or (time.time(), time.monotonic())
     return Plan(
         request_id=request[REQUEST_ID],
@@ -166,6 +179,7 @@ def make_plan(
         priority=effective_priority(body.priority, principal.tenant),
         received_at=received_at,
         received_mono=received_mono,
+        grammar=grammar,
     )
 
 
@@ -204,7 +218,7 @@ async def completion_prompts(engine, body: CompletionRequest) -> list[list[int]]
 
 
 async def chat_prompt(engine, body: ChatCompletionRequest) -> list[int]:
-    messages = [message.as_template_message() for message in body.messages]
+    messages = template_messages(body)
     try:
         return await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
     except ValueError as error:
@@ -218,7 +232,8 @@ async def plan_completion(request: web.Request, body: CompletionRequest) -> Plan
     max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     for prompt in prompts:
         check_prompt_fits(engine.info, prompt, max_tokens, "prompt")
-    return make_plan(request, body, prompts, [max_tokens] * len(prompts), body.logprobs, "prompt")
+    max_tokens_list = [max_tokens] * len(prompts)
+    return await make_plan(request, body, prompts, max_tokens_list, body.logprobs, "prompt")
 
 
 async def plan_chat(request: web.Request, body: ChatCompletionRequest) -> Plan:
@@ -231,4 +246,4 @@ async def plan_chat(request: web.Request, body: ChatCompletionRequest) -> Plan:
     check_prompt_fits(engine.info, prompt, requested_max, "messages")
     max_tokens = requested_max or engine.info.max_model_len - len(prompt)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return make_plan(request, body, [prompt], [max_tokens], logprobs, "messages")
+    return await make_plan(request, body, [prompt], [max_tokens], logprobs, "messages")

@@ -28,6 +28,7 @@ from gateway.openai.responses import (
     TopLogprob,
     Usage,
 )
+from gateway.openai.tool_rendering import ToolDeltas, tool_finish_reason, tool_message
 from gateway.openai.tracking import Tracker
 from gateway.openapi import ErrorBody, ErrorDetail
 
@@ -43,6 +44,7 @@ class ChoiceState:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     num_text_chars_sent: int = 0  # for completions' text_offset while streaming
+    tools: ToolDeltas | None = None  # a streamed answer that may call tools
 
     def add(self, output) -> None:
         self.text += output.new_text
@@ -132,9 +134,10 @@ class ChatFormat:
     id_prefix = CHAT_COMPLETION_ID_PREFIX
     body_model, chunk_model = ChatCompletion, ChatCompletionChunk
 
-    def __init__(self, token_text: TokenText, with_logprobs: bool) -> None:
+    def __init__(self, token_text: TokenText, with_logprobs: bool, calls_tools: bool = False):
         self.token_text = token_text
         self.with_logprobs = with_logprobs
+        self.calls_tools = calls_tools
 
     def top_entry(self, token_id: int, logprob: float) -> TopLogprob:
         text = self.token_text(token_id)
@@ -153,11 +156,14 @@ class ChatFormat:
         return ChatLogprobs(content=content, refusal=None)
 
     def choice(self, state: ChoiceState) -> ChatChoice:
+        message, num_calls = AssistantMessage(role="assistant", content=state.text), 0
+        if self.calls_tools:
+            message, num_calls = tool_message(state.text)
         return ChatChoice(
             index=state.index,
-            message=AssistantMessage(role="assistant", content=state.text, refusal=None),
+            message=message,
             logprobs=self.logprobs(state.logprobs),
-            finish_reason=state.finish_reason,
+            finish_reason=tool_finish_reason(state.finish_reason, num_calls),
         )
 
     def first_deltas(self, num_choices: int) -> list[ChatChunkChoice]:
@@ -168,6 +174,8 @@ class ChatFormat:
         ]
 
     def deltas(self, state: ChoiceState, output) -> list[ChatChunkChoice]:
+        if self.calls_tools:
+            return self.tool_deltas(state, output)
         deltas = []
         if output.new_text or (self.with_logprobs and output.logprobs):
             deltas.append(
@@ -188,6 +196,25 @@ class ChatFormat:
                 )
             )
         return deltas
+
+    def tool_deltas(self, state: ChoiceState, output) -> list[ChatChunkChoice]:
+        """Content and tool-call deltas; the logprobs ride on the step's first chunk."""
+        state.tools = state.tools or ToolDeltas()
+        deltas = state.tools.deltas(state.index, output.new_text, output.finished)
+        if self.with_logprobs and output.logprobs:
+            if not deltas:
+                deltas = [self.empty_chunk(state.index)]
+            deltas[0].logprobs = self.logprobs(output.logprobs)
+        if output.finished:
+            reason = tool_finish_reason(output.finish_reason, state.tools.num_calls)
+            deltas.append(self.empty_chunk(state.index, reason))
+        return deltas
+
+    @staticmethod
+    def empty_chunk(index: int, finish_reason: str | None = None) -> ChatChunkChoice:
+        return ChatChunkChoice(
+            index=index, delta=ChatDelta(), logprobs=None, finish_reason=finish_reason
+        )
 
 
 Format = CompletionFormat | ChatFormat

@@ -58,17 +58,32 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text valid against the function's parameters")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is only tool calls")
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletion(BaseModel):
@@ -81,16 +96,31 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(BaseModel):
+    """The first delta of a call carries its id, type and name; later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -172,7 +172,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     async with auditing_invalid_requests(request):
         body = await read_body(request, ChatCompletionRequest)
         plan = await plan_chat(request, body)
-    fmt = ChatFormat(TokenText(request.app[ENGINE_CLIENT].tokenizer), body.logprobs)
+    token_text = TokenText(request.app[ENGINE_CLIENT].tokenizer)
+    fmt = ChatFormat(token_text, body.logprobs, calls_tools=plan.calls_tools)
     return await run(request, plan, fmt, body)
 
 

@@ -3,17 +3,26 @@ accept, with the bounds the validators and the published document share.
 
 A field is either applied or refused, never ignored: bodies forbid fields they do not declare
 (OpenAI's own answer to an unknown argument), and fields OpenAI defines that this server does
-not implement (tools, structured outputs, audio, ...) get a 400 that names them. Fields declared
-here but accepted only with the value that changes nothing (`echo: false`, an empty
-`logit_bias`, `response_format: {"type": "text"}`) say so in the document as well.
+not implement (audio, web search, ...) get a 400 that names them. Fields declared here but
+accepted only with the value that changes nothing (`echo: false`, an empty `logit_bias`) say so
+in the document as well. Structured outputs (`response_format`) and tool calls (`tools`,
+`tool_choice`, `role: "tool"` messages) are grammar-constrained (runtime.structured).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from aiohttp import web
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+)
 
 from gateway.errors import (
     APIError,
@@ -23,12 +32,14 @@ from gateway.errors import (
     from_validation_error,
 )
 from gateway.jsonbody import read_model
+from runtime.structured.tool_format import render_tool_call
 from scheduler.request import MAX_N, SAMPLING_BOUNDS
 
 MAX_STOP_SEQUENCES = 16
 
 
 MAX_PROMPTS = 32
+MAX_TOOLS = 64
 
 
 # Facts of the loaded model, filled into the published document where these markers stand.
@@ -44,10 +55,10 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N
 
 # Fields OpenAI defines that this server does not implement: refused with a 400 naming them.
 UNSUPPORTED_FIELDS = frozenset({
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+    "functions", "function_call", "audio",
     "modalities", "prediction", "web_search_options", "store", "metadata", "service_tier",
     "reasoning_effort", "verbosity", "prompt_cache_key", "prompt_cache_retention",
-    "safety_identifier", "include_obfuscation", "name", "tool_calls", "tool_call_id", "refusal",
+    "safety_identifier", "include_obfuscation", "name", "refusal",
 })  # fmt: skip
 
 
@@ -57,8 +68,6 @@ ONLY_NEUTRAL_VALUES = {
     "suffix": "'suffix' is not supported: it must be empty.",
     "best_of": "'best_of' other than 1 is not supported.",
     "logit_bias": "'logit_bias' is not supported: it must be empty.",
-    "response_format": "Only 'response_format': {'type': 'text'} is supported; structured "
-    "outputs (json_object, json_schema) are not.",
 }
 
 
@@ -94,7 +103,78 @@ class ResponseFormatText(StrictBody):
     type: Literal["text"]
 
 
+class ResponseFormatJSONObject(StrictBody):
+    """Any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(StrictBody):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        None,
+        alias="schema",
+        description="a JSON schema (default: any JSON object); a keyword the grammar cannot "
+        "enforce, an invalid schema or one whose compiled grammar passes the tenant's "
+        "max_grammar_bytes is a 400 naming response_format.json_schema.schema",
+    )
+    strict: bool | None = None
+
+
+class ResponseFormatJSONSchema(StrictBody):
+    """An answer valid against `json_schema.schema`."""
+
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    Union[ResponseFormatText, ResponseFormatJSONObject, ResponseFormatJSONSchema],  # noqa: UP007
+    Field(discriminator="type"),
+]
+
+
+# A constrained answer ends with the end-of-sequence token: no ignore_eos with a grammar, and
+# one grammar per request (tools in play leave response_format at text). Said as if/then.
+JSON_FORMAT_GIVEN = {
+    "properties": {
+        "response_format": {
+            "type": "object",
+            "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+            "required": ["type"],
+        }
+    },
+    "required": ["response_format"],
+}
+KEEPS_EOS = {"properties": {"ignore_eos": {"const": False}}}
+FORMAT_NEEDS_EOS = {"if": JSON_FORMAT_GIVEN, "then": KEEPS_EOS}
+TOOLS_IN_PLAY = {
+    "properties": {
+        "tools": {"type": "array", "minItems": 1},
+        "tool_choice": {"not": {"const": "none"}},
+    },
+    "required": ["tools"],
+}
+TEXT_FORMAT_ONLY = {
+    "properties": {
+        "ignore_eos": {"const": False},
+        "response_format": {
+            "anyOf": [
+                {"type": "null"},
+                {"type": "object", "properties": {"type": {"const": "text"}}},
+            ]
+        },
+    }
+}
+TOOLS_NEED_EOS_AND_TEXT = {"if": TOOLS_IN_PLAY, "then": TEXT_FORMAT_ONLY}
+
+
 class SamplingFields(StrictBody):
+    model_config = ConfigDict(json_schema_extra=FORMAT_NEEDS_EOS)
+
     model: str
     max_tokens: int | None = output_tokens_field()
     temperature: float | None = sampling_field("temperature")
@@ -117,6 +197,9 @@ class SamplingFields(StrictBody):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)
+    response_format: ResponseFormat | None = Field(
+        None, description="text (default), json_object or json_schema: grammar-constrained"
+    )
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -146,17 +229,106 @@ class TextPart(StrictBody):
     text: str
 
 
-class ChatMessage(StrictBody):
-    """Tools are not supported, so neither are `tool` messages nor `tool_calls`."""
+def joined_text(content: str | list[TextPart] | None) -> str:
+    if isinstance(content, list):
+        return "\n".join(part.text for part in content)
+    return content or ""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(union_mode="left_to_right")
+
+Content = str | list[TextPart]
+
+
+class InstructionMessage(StrictBody):
+    role: Literal["system", "developer", "user"]
+    content: Content = Field(union_mode="left_to_right")
 
     def as_template_message(self) -> dict[str, str]:
         role = "system" if self.role == "developer" else self.role
-        if isinstance(self.content, list):
-            return {"role": role, "content": "\n".join(part.text for part in self.content)}
-        return {"role": role, "content": self.content}
+        return {"role": role, "content": joined_text(self.content)}
+
+
+class FunctionCall(StrictBody):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text")
+
+
+class MessageToolCall(StrictBody):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantTurn(StrictBody):
+    """An earlier answer: text, tool calls, or both."""
+
+    role: Literal["assistant"]
+    content: Content | None = Field(None, union_mode="left_to_right")
+    tool_calls: list[MessageToolCall] | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        calls = "".join(
+            render_tool_call(call.function.name, call.function.arguments)
+            for call in self.tool_calls or []
+        )
+        return {"role": "assistant", "content": joined_text(self.content) + calls}
+
+
+class ToolMessage(StrictBody):
+    """A tool's result, for the call `tool_call_id`."""
+
+    role: Literal["tool"]
+    content: Content = Field(union_mode="left_to_right")
+    tool_call_id: str
+
+    def as_template_message(self) -> dict[str, str]:
+        return {"role": "tool", "content": joined_text(self.content)}
+
+
+MESSAGE_CLASSES = {"assistant": "AssistantTurn", "tool": "ToolMessage"}
+
+
+def message_class(value: Any) -> str | None:
+    """The message class by role (capitalised, so error locations skip it as a union tag)."""
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    if not isinstance(role, str):
+        return None
+    return MESSAGE_CLASSES.get(role, "InstructionMessage")
+
+
+ChatMessage = Annotated[
+    Union[  # noqa: UP007
+        Annotated[InstructionMessage, Tag("InstructionMessage")],
+        Annotated[AssistantTurn, Tag("AssistantTurn")],
+        Annotated[ToolMessage, Tag("ToolMessage")],
+    ],
+    Discriminator(message_class),
+]
+
+
+class FunctionDefinition(StrictBody):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="a JSON schema of the arguments (default: no arguments)"
+    )
+    strict: bool | None = None
+
+
+class Tool(StrictBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictBody):
+    name: str
+
+
+class NamedToolChoice(StrictBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 TOP_LOGPROBS_NEED_LOGPROBS = {
@@ -168,15 +340,23 @@ TOP_LOGPROBS_NEED_LOGPROBS = {
 class ChatCompletionRequest(SamplingFields):
     """`top_logprobs` needs `logprobs: true` (said in the schema as if/then)."""
 
-    model_config = ConfigDict(json_schema_extra=TOP_LOGPROBS_NEED_LOGPROBS)
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [TOP_LOGPROBS_NEED_LOGPROBS, FORMAT_NEEDS_EOS, TOOLS_NEED_EOS_AND_TEXT]
+        }
+    )
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = output_tokens_field()
     logprobs: bool = False
     top_logprobs: int | None = sampling_field("logprobs")
-    response_format: ResponseFormatText | None = Field(
-        None, description="only {'type': 'text'}: structured outputs are not supported"
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description="none, auto (default with tools), required, or a named function, which "
+        "must be among tools (else a 400 naming tool_choice)",
     )
+    parallel_tool_calls: bool | None = None
 
 
 # ==== reading a body ============================================================================

@@ -60,6 +60,8 @@ class Tracker:
         if self.admission.degraded:
             admitted["rate_limits_unchecked"] = True  # Redis unreachable, failing open
         self.events.append(admitted)
+        if self.plan.grammar is not None:  # constrained: how long its grammar took
+            self.events.append(self.plan.grammar.event())
 
     def observe(self, choice: int, output) -> None:
         self.num_output_tokens[choice] = output.num_output_tokens

@@ -128,7 +128,7 @@ ADMIT_LUA = (
     LUA_PRELUDE
     + """
 -- KEYS: requests log, tokens log, token costs, tokens sum, day, month, leases, reservation
--- ARGV: now ms ('' = server time), then the limits in the order of limits.LIMIT_FIELDS
+-- ARGV: now ms ('' = server time), then the limits in the order of limits.SCRIPT_LIMIT_FIELDS
 --       (rpm, burst, tpm, max concurrency, daily, monthly; -1 = unlimited),
 --       then cost, request id, lease ttl ms, reservation ttl ms, concurrency retry ms
 local now = clock_ms(ARGV[1])

@@ -8,7 +8,8 @@ admin API and CLI, the arguments of the rate-limit script and the explanations a
 from `LIMIT_FIELDS` and `REFUSALS`.
 
 Adding a limit kind: a row here, its check in `limit_scripts.ADMIT_LUA` (which receives the
-limits as ARGV in the order of `LIMIT_FIELDS`), a column in `gateway.models.Tenant` and an
+limits as ARGV in the order of `SCRIPT_LIMIT_FIELDS`) unless the gateway checks it elsewhere
+(`max_grammar_bytes`: when the grammar is compiled), a column in `gateway.models.Tenant` and an
 Alembic migration.
 """
 
@@ -45,6 +46,7 @@ class LimitField:
     default: int | None = None
     nullable: bool = True
     refusal: Refusal | None = None
+    checked_in_redis: bool = True  # an argument of the rate-limit scripts
 
     @property
     def flag(self) -> str:
@@ -131,6 +133,14 @@ LIMIT_FIELDS: tuple[LimitField, ...] = (
             "the tenant's monthly token quota",
         ),
     ),  # fmt: skip
+    LimitField(
+        "max_grammar_bytes",
+        "memory of one compiled grammar (response_format json_schema, tools): a larger one is "
+        "a 400 schema_too_large",
+        ge=1,
+        le=INT64_MAX,
+        checked_in_redis=False,  # checked when the grammar is compiled
+    ),
 )
 
 
@@ -145,6 +155,11 @@ UNAVAILABLE = Refusal(
 REFUSALS: dict[str, Refusal] = {
     limit.refusal.reason: limit.refusal for limit in LIMIT_FIELDS if limit.refusal is not None
 } | {UNAVAILABLE.reason: UNAVAILABLE}
+
+
+SCRIPT_LIMIT_FIELDS: tuple[LimitField, ...] = tuple(
+    limit for limit in LIMIT_FIELDS if limit.checked_in_redis
+)
 
 
 LIMIT_NAMES: tuple[str, ...] = tuple(limit.name for limit in LIMIT_FIELDS)

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.tenancy.limit_scripts import ADMIT, COMPLETE, RENEW, USAGE
-from gateway.tenancy.limits import LIMIT_FIELDS, REFUSALS, LimitField
+from gateway.tenancy.limits import LIMIT_FIELDS, REFUSALS, SCRIPT_LIMIT_FIELDS, LimitField
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +204,9 @@ def limit_arg(limit: LimitField, value: int | None) -> int:
 
 
 def limit_args(limits: TenantLimits) -> list[int]:
-    """The limits as the scripts take them: in the order of `LIMIT_FIELDS`, -1 = unlimited."""
-    return [limit_arg(limit, getattr(limits, limit.name)) for limit in LIMIT_FIELDS]
+    """The limits as the scripts take them: in the order of `SCRIPT_LIMIT_FIELDS`, -1 =
+    unlimited."""
+    return [limit_arg(limit, getattr(limits, limit.name)) for limit in SCRIPT_LIMIT_FIELDS]
 
 
 def now_arg(now: float | None) -> str:
