@@ -77,14 +77,6 @@ class ServeSettings(EngineConfig, BaseSettings):
             return [token.strip() for token in value.split(",") if token.strip()]
         return value
 
-    @field_validator("served_model_name", mode="before")
-    @classmethod
-    def split_names(cls, value: object) -> object:
-        """`CONVEYOR_SERVED_MODEL_NAME="a b"` or `a,b`; empty: derived from the model."""
-        if isinstance(value, str):
-            return value.replace(",", " ").split() or None
-        return value
-
     @field_validator("redis_url", "model", "log_level", "audit_retention_days", mode="before")
     @classmethod
     def empty_is_none(cls, value: object) -> object:
