@@ -58,7 +58,9 @@ class ForwardContext:
 class AttentionBackend:
     """Kernels for one device; `prepare` runs once per step, `forward` once per layer."""
 
-    def __init__(self, device: torch.device, block_size: int) -> None:
+    def __init__(
+        self, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.block_size = block_size
         self.use_triton = device.type == "cuda"
         if self.use_triton:
@@ -67,7 +69,9 @@ class AttentionBackend:
             self.kernels = get_kernels(device)
         else:
             self.kernels = reference
-        self.native = None if self.use_triton else native.native_ops()
+        # the native decode where it runs this dtype; else the reference's planned groups
+        use_native = not self.use_triton and dtype in NATIVE_DECODE_DTYPES
+        self.native = native.native_ops() if use_native else None
 
     def prepare(self, attn: AttentionMetadata) -> None:
         if self.use_triton:
@@ -162,7 +166,7 @@ class AttentionBackend:
         return out
 
     def _decode(self, q, k_cache, v_cache, attn: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.native is not None and q.dtype in NATIVE_DECODE_DTYPES:
+        if self.native is not None:
             return self.native.paged_attention_decode(
                 q, k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens, scale
             )

@@ -59,7 +59,7 @@ class ModelRunner:
         self.dtype = config.resolved_dtype()
         self.block_size = config.block_size
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.backend = AttentionBackend(self.device, config.block_size)
+        self.backend = AttentionBackend(self.device, config.block_size, self.dtype)
         self.model = load_model(model_dir, self.model_config, self.dtype, self.device, self.backend)
         self.kv_cache = self._allocate_kv_cache(config)
         self.sampler = Sampler(self.model_config.vocab_size)
