@@ -81,8 +81,9 @@ def mixed_params() -> list[SamplingParams]:
     ]
 
 
-def test_one_copy_each_way_and_no_other_sync_per_step(engine, monkeypatch):
-    recorder = SyncRecorder()
+def count_step_copies(recorder: SyncRecorder, monkeypatch) -> dict[str, int]:
+    """Counts the step's copies each way; the recorder is active between the two, and a second
+    copy either way inside one step fails."""
     copies = {"to_device": 0, "to_host": 0}
 
     def counted_to_device(host, device_buffer):
@@ -100,6 +101,12 @@ def test_one_copy_each_way_and_no_other_sync_per_step(engine, monkeypatch):
     staging_copy, host_copy = staging.copy_to_device, model_runner.copy_to_host
     monkeypatch.setattr(staging, "copy_to_device", counted_to_device)
     monkeypatch.setattr(model_runner, "copy_to_host", counted_to_host)
+    return copies
+
+
+def test_one_copy_each_way_and_no_other_sync_per_step(engine, monkeypatch):
+    recorder = SyncRecorder()
+    copies = count_step_copies(recorder, monkeypatch)
 
     prompts = [[5, 6, 7, 8] * k for k in range(1, 5)]
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts, mixed_params())]
@@ -137,21 +144,7 @@ def test_constrained_rows_add_at_most_the_bitmask_copy(engine, monkeypatch):
     from scheduler.request import GrammarSpec
 
     recorder = SyncRecorder()
-    copies = {"to_device": 0, "to_host": 0}
-
-    def counted_to_device(host, device_buffer):
-        copies["to_device"] += 1
-        staging_copy(host, device_buffer)
-        recorder.active = True
-
-    def counted_to_host(device_tensor):
-        recorder.active = False
-        copies["to_host"] += 1
-        return host_copy(device_tensor)
-
-    staging_copy, host_copy = staging.copy_to_device, model_runner.copy_to_host
-    monkeypatch.setattr(staging, "copy_to_device", counted_to_device)
-    monkeypatch.setattr(model_runner, "copy_to_host", counted_to_host)
+    copies = count_step_copies(recorder, monkeypatch)
     json_object = GrammarSpec("json_object")
     params = [
         SamplingParams(max_tokens=5, temperature=0.0, grammar=json_object),
