@@ -59,12 +59,17 @@ def cmd_step(args: argparse.Namespace) -> int:
 
 
 def write_near_zero_model(path: Path) -> Path:
-    """Random weights of NEAR_ZERO and the default model's tokenizer, in `path`."""
+    return write_random_llama(path, NEAR_ZERO)
+
+
+def write_random_llama(path: Path, config: dict) -> Path:
+    """A Llama of `config` with random weights (seed 0) and the default model's tokenizer, in
+    `path`: the near-zero model here, the tests' tiny model (tests/conftest.py)."""
     from safetensors.torch import save_file
 
     from runtime.model_loader import resolve_model
 
-    c = NEAR_ZERO
+    c = config
     gen = torch.Generator().manual_seed(0)
     h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     shapes = {
@@ -79,16 +84,20 @@ def write_near_zero_model(path: Path) -> Path:
     weights = {
         "model.embed_tokens.weight": torch.randn(c["vocab_size"], h, generator=gen) * 0.5,
         "model.norm.weight": torch.ones(h),
-        "model.layers.0.input_layernorm.weight": torch.ones(h),
-        "model.layers.0.post_attention_layernorm.weight": torch.ones(h),
     }
-    for name, shape in shapes.items():
-        weight = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
-        weights[f"model.layers.0.{name}.weight"] = weight
+    for layer in range(c["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        for name, shape in shapes.items():
+            weight = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
+            weights[prefix + name + ".weight"] = weight
+        weights[prefix + "input_layernorm.weight"] = torch.ones(h)
+        weights[prefix + "post_attention_layernorm.weight"] = torch.ones(h)
     (path / "config.json").write_text(json.dumps(c))
     save_file(weights, str(path / "model.safetensors"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(resolve_model(None) / name, path / name)
+    real = resolve_model(None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real / name).exists():
+            shutil.copy(real / name, path / name)
     return path
 
 

@@ -60,43 +60,6 @@ TINY_LLAMA = {
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-initialised 2-layer Llama with SmolLM2's tokenizer: fast engine tests."""
-    import json
-    import shutil
+    from benchmarks.step import write_random_llama
 
-    import torch
-    from safetensors.torch import save_file
-
-    from runtime.model_loader import resolve_model
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    gen = torch.Generator().manual_seed(0)
-    c = TINY_LLAMA
-    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    weights = {
-        "model.embed_tokens.weight": torch.randn(c["vocab_size"], h, generator=gen) * 0.5,
-        "model.norm.weight": torch.ones(h),
-    }
-    shapes = {
-        "self_attn.q_proj": (c["num_attention_heads"] * d, h),
-        "self_attn.k_proj": (c["num_key_value_heads"] * d, h),
-        "self_attn.v_proj": (c["num_key_value_heads"] * d, h),
-        "self_attn.o_proj": (h, c["num_attention_heads"] * d),
-        "mlp.gate_proj": (i, h),
-        "mlp.up_proj": (i, h),
-        "mlp.down_proj": (h, i),
-    }
-    for layer in range(c["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}."
-        for name, shape in shapes.items():
-            weights[prefix + name + ".weight"] = (
-                torch.randn(*shape, generator=gen) / shape[1] ** 0.5
-            )
-        weights[prefix + "input_layernorm.weight"] = torch.ones(h)
-        weights[prefix + "post_attention_layernorm.weight"] = torch.ones(h)
-    save_file(weights, str(path / "model.safetensors"))
-    real = resolve_model(None)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (real / name).exists():
-            shutil.copy(real / name, path / name)
-    return path
+    return write_random_llama(tmp_path_factory.mktemp("tiny-llama"), TINY_LLAMA)
