@@ -89,6 +89,12 @@ class EngineConfig(BaseModel):
         "auto: on CUDA",
     )
 
+    async_scheduling: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="schedule and launch step N+1 before step N's tokens reach the host (its "
+        "decodes read them on the device), building step N's outputs meanwhile; auto: on CUDA",
+    )
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,6 +104,11 @@ class EngineConfig(BaseModel):
         if self.async_output == "auto":
             return self.resolved_device().type == "cuda"
         return self.async_output == "on"
+
+    def resolved_async_scheduling(self) -> bool:
+        if self.async_scheduling == "auto":
+            return self.resolved_device().type == "cuda"
+        return self.async_scheduling == "on"
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

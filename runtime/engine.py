@@ -1,11 +1,21 @@
 """Engine: the synchronous step loop (schedule -> run -> update -> detokenize). Asyncio callers
 reach it through `runtime.engine_client.EngineClient`, which runs it on its own thread.
 
-With async output (on CUDA by default, as vLLM's async output processing) a step's outputs are
-built during the next step's forward pass: `step()` schedules and launches step N, then
-detokenizes step N-1 and builds its outputs while the device works, then waits for step N's
-tokens. A request that step N-1's detokenizer stops on a stop string was already scheduled in
-step N; that token is computed and dropped, so the outputs are the same either way.
+With async output (as vLLM's async output processing) a step's outputs are built during the
+next step's forward pass: `step()` schedules and launches step N, then detokenizes step N-1 and
+builds its outputs while the device works, then waits for step N's tokens.
+
+With async scheduling (on CUDA by default; vLLM's async scheduling, SGLang's overlap scheduler)
+the host runs a whole step ahead: `step()` schedules and launches step N while step N-1 is still
+on the device, then waits for step N-1's tokens, appends them and builds its outputs. Step N's
+decodes read step N-1's tokens on the device (the scheduler counts them as pending), so the
+device never waits for the host between steps. A step whose requests' next step needs their
+tokens on the host (penalties over the output, a grammar's next mask) lands before the next one
+is scheduled.
+
+Either way, a request that a stop string, an end-of-sequence token or its grammar stops was
+already scheduled in the step after; that token is computed and dropped, so the outputs are the
+same as in the synchronous loop (a length limit is known ahead and schedules nothing extra).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from typing import Any
 from runtime.config import EngineConfig
 from runtime.kv_cache import measure_copy_bandwidth
 from runtime.model_loader import resolve_model, served_model_name
-from runtime.model_runner import ModelRunner
+from runtime.model_runner import LaunchedStep, ModelRunner
 from runtime.structured.compiler import PreparedGrammar
 from runtime.structured.outputs import StructuredOutputs
 from runtime.structured.schema_rules import GrammarError
@@ -67,6 +77,14 @@ class StepResult:
     advanced: list[Request]  # requests that got a token, in step order
 
 
+@dataclass
+class InFlight:
+    """A launched step whose tokens have not reached the host (async scheduling)."""
+
+    out: SchedulerOutput
+    launched: LaunchedStep
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -83,6 +101,8 @@ class Engine:
             self.tokenizer.hf_tokenizer, mc.vocab_size, self.eos_token_ids, self.runner.device
         )
         self.runner.grammar_masks = self.structured.masks
+        if self.runner.device.type == "cuda":
+            self.structured.masks.warm_up(mc.vocab_size)  # not on the first constrained request
         self.block_manager = BlockManager(
             self.runner.num_gpu_blocks,
             config.block_size,
@@ -95,8 +115,10 @@ class Engine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_events_sent: dict[str, int] = {}
         self.num_steps = 0
-        self.async_output = config.resolved_async_output()
+        self.async_scheduling = config.resolved_async_scheduling()
+        self.async_output = config.resolved_async_output() and not self.async_scheduling
         self.unbuilt: StepResult | None = None  # async output: the last step, outputs to build
+        self.in_flight: InFlight | None = None  # async scheduling: launched, tokens not landed
 
     def reset_scheduler(self, **config_changes) -> None:
         """A fresh scheduler and block manager (empty prefix cache) on the loaded model, with
@@ -209,30 +231,64 @@ class Engine:
         return self._finish_output(request, [], "")
 
     def has_unfinished(self) -> bool:
-        return self.unbuilt is not None or self.scheduler.has_unfinished()
+        return self._holds_a_step() or self.scheduler.has_unfinished()
+
+    def _holds_a_step(self) -> bool:
+        return self.unbuilt is not None or self.in_flight is not None
 
     def seconds_until_runnable(self) -> float:
         """How long a step would do nothing (dynamic batching waiting for its batch)."""
-        return 0.0 if self.unbuilt is not None else self.scheduler.seconds_until_runnable()
+        return 0.0 if self._holds_a_step() else self.scheduler.seconds_until_runnable()
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns its outputs, or with async output the previous step's."""
+        """Run one step; returns its outputs, or with async output or async scheduling the
+        previous step's."""
+        if self.async_scheduling:
+            return self._step_ahead()
         out = self.scheduler.schedule()
-        launched = self.runner.launch(out)
+        launched = self._launch(out)
         unbuilt, self.unbuilt = self.unbuilt, None
         outputs = self._build_outputs(unbuilt) if unbuilt else []  # while the device runs
+        result = self._land(out, launched)
+        if self.async_output:
+            self.unbuilt = result if result.advanced or out.preempted else None
+            return outputs
+        return outputs + self._build_outputs(result)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Async scheduling: launch step N, then land step N-1 while the device runs step N."""
+        outputs = []
+        if self.in_flight is not None and self.in_flight.launched.needs_host_tokens:
+            outputs = self._land_in_flight()
+        out = self.scheduler.schedule()
+        previous = self.in_flight
+        launched = self._launch(out, previous.launched if previous is not None else None)
+        self.in_flight = InFlight(out, launched)
+        if previous is not None:
+            outputs += self._build_outputs(self._land(previous.out, previous.launched))
+        if not launched.has_samples:  # nothing to wait for: land it now
+            outputs += self._land_in_flight()
+        return outputs
+
+    def _land_in_flight(self) -> list[RequestOutput]:
+        in_flight, self.in_flight = self.in_flight, None
+        return self._build_outputs(self._land(in_flight.out, in_flight.launched))
+
+    def _launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        launched = self.runner.launch(out, previous)
+        self.scheduler.mark_launched(out)
+        return launched
+
+    def _land(self, out: SchedulerOutput, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens and hand them to the scheduler and the grammars."""
         sampled = self.runner.collect(launched)
         self.num_steps += 1
         tokens = {rid: token for rid, (token, _) in sampled.items()}
         advanced = self.scheduler.update_from_output(out, tokens)
         for request in self.structured.advance(advanced):  # its grammar is complete
             self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
-        result = StepResult(out, sampled, advanced)
-        if self.async_output:
-            self.unbuilt = result if result.advanced or out.preempted else None
-            return outputs
-        return outputs + self._build_outputs(result)
+        return StepResult(out, sampled, advanced)
 
     def _build_outputs(self, result: StepResult) -> list[RequestOutput]:
         outputs = [

@@ -136,13 +136,24 @@ class InputBatch:
             self.free_rows.append(row)
 
     def record_sampled(
-        self, rows: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        token_ids: torch.Tensor,
+        requests: list[Request],
     ) -> None:
         """The sampled tokens land in the token table (the scheduler appends the same ones to
-        the requests, so next step's check finds the rows up to date)."""
-        fits = positions < self.max_model_len
-        if not bool(fits.all()):
-            rows, positions, token_ids = rows[fits], positions[fits], token_ids[fits]
+        the requests, so next step's check finds the rows up to date). A row given to another
+        request, or rewritten, since the step was launched (async scheduling) is left alone."""
+        fits = [
+            (state := self.row_state[row]) is not None
+            and state.request is request
+            and state.num_tokens == position < self.max_model_len
+            for row, position, request in zip(rows.tolist(), positions.tolist(), requests)
+        ]
+        if not all(fits):
+            keep = torch.tensor(fits, dtype=torch.bool)
+            rows, positions, token_ids = rows[keep], positions[keep], token_ids[keep]
         self.token_ids[rows, positions] = token_ids.to(torch.int32)
         self.num_tokens[rows] = positions + 1
         for row in rows.tolist():

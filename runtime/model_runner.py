@@ -30,6 +30,12 @@ class LaunchedStep:
 
     host: HostStep | None
     sampled: PendingCopy | None  # ids [num_samples], or packed ids and logprobs, on their way
+    token_ids: torch.Tensor | None = None  # [num_samples] the sampled ids, on the device
+    needs_host_tokens: bool = False  # its requests' next step needs these tokens on the host
+
+    @property
+    def has_samples(self) -> bool:
+        return self.sampled is not None
 
 
 def load_model(model_dir: Path, config: ModelConfig, dtype, device, backend) -> LlamaForCausalLM:
@@ -131,22 +137,33 @@ class ModelRunner:
         return self.collect(self.launch(out))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Swap blocks, stage the inputs (one copy), queue the forward pass and the sampling,
-        and start the copy of the sampled ids back; returns without waiting for the device."""
+        and start the copy of the sampled ids back; returns without waiting for the device.
+        previous: the step in flight (async scheduling), whose sampled ids this step's pending
+        tokens are, taken on the device."""
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
         if out.is_empty:
             return LaunchedStep(None, None)
-        host = prepare_host_step(self.input_batch, out.scheduled, self.block_size)
-        inputs = device_step(self.input_batch, host, self.staging.stage(host.parts))
+        before = previous.host if previous is not None else None
+        host = prepare_host_step(self.input_batch, out.scheduled, self.block_size, before)
+        staged = self.staging.stage(host.parts)
+        previous_ids = previous.token_ids if previous is not None else None
+        inputs = device_step(self.input_batch, host, staged, previous_ids)
         self.backend.prepare(inputs.attn)
         mask = self._start_grammar_masks(host)  # filled on a worker while the forward runs
         hidden = self._forward(inputs)  # [num_tokens, hidden]
         if not host.sample_requests:
             return LaunchedStep(host, None)
         logits = self.model.compute_logits(hidden[inputs.sample_index])  # only rows that sample
-        return LaunchedStep(host, copy_to_host(self._sample(logits, host, inputs, mask)))
+        result = self._sample(logits, host, inputs, mask)
+        return LaunchedStep(
+            host,
+            copy_to_host(result),
+            token_ids=sampled_token_ids(result),
+            needs_host_tokens=mask is not None or host.sampling.has_penalties,
+        )
 
     def _start_grammar_masks(self, host: HostStep):
         if self.grammar_masks is None or not host.sample_requests:
@@ -171,8 +188,9 @@ class ModelRunner:
             return {}
         host, result = step.host, step.sampled.result()
         sampled = unpack(result, host.sampling)
-        token_ids = result if result.dtype == torch.int64 else result[:, 0].long()
-        self.input_batch.record_sampled(host.sample_rows, host.sample_positions, token_ids)
+        self.input_batch.record_sampled(
+            host.sample_rows, host.sample_positions, sampled_token_ids(result), host.sample_requests
+        )
         return {
             r.request_id: (token, logprobs)
             for r, token, logprobs in zip(host.sample_requests, sampled.token_ids, sampled.logprobs)
@@ -228,6 +246,11 @@ class ModelRunner:
         self.sampler.release(request.request_id)
         self.input_batch.remove(request.request_id)
         return num_tokens / max(time.perf_counter() - start, 1e-9)
+
+
+def sampled_token_ids(result: torch.Tensor) -> torch.Tensor:
+    """The sampler's result (ids, or ids packed with logprobs) -> ids [num_samples] int64."""
+    return result if result.dtype == torch.int64 else result[:, 0].long()
 
 
 def _warm_up_request(request_id: str, num_prompt: int, decoding: bool) -> Request:

@@ -43,14 +43,23 @@ class StepInputs:
 
 
 def prepare_host_step(
-    batch: InputBatch, scheduled: list[tuple[Request, int]], block_size: int
+    batch: InputBatch,
+    scheduled: list[tuple[Request, int]],
+    block_size: int,
+    previous: HostStep | None = None,
 ) -> HostStep:
+    """previous: the launched step whose sampled tokens have not landed yet (async
+    scheduling); a scheduled token the host does not know is one of them."""
     rows = torch.tensor(batch.update(scheduled), dtype=torch.int64)  # [num_seqs]
     num_new = torch.tensor([n for _, n in scheduled], dtype=torch.int64)
     computed = torch.tensor([r.num_computed_tokens for r, _ in scheduled], dtype=torch.int64)
-    is_decode = (num_new == 1) & (computed == batch.num_tokens[rows] - 1)
+    known = batch.num_tokens[rows]  # [num_seqs] tokens in the host table
+    pending = [r.num_pending_tokens for r, _ in scheduled]
+    total = known + torch.tensor(pending, dtype=torch.int64) if any(pending) else known
+    is_decode = (num_new == 1) & (computed == total - 1)
     order = torch.where(is_decode, computed, _LAST).sort(stable=True).indices
     rows, num_new, computed = rows[order], num_new[order], computed[order]
+    known, total = known[order], total[order]
     seq_lens = computed + num_new  # [num_seqs]
     ends = num_new.cumsum(0)  # [num_seqs] end of each sequence's tokens in the flat batch
     num_tokens = int(ends[-1])
@@ -60,7 +69,7 @@ def prepare_host_step(
     slots = batch.block_table[token_rows, positions // block_size] * block_size
     slots += positions % block_size
     num_decode = int(is_decode.sum())
-    samples = (seq_lens == batch.num_tokens[rows]).nonzero().flatten()  # [num_samples]
+    samples = (seq_lens == total).nonzero().flatten()  # [num_samples]
     sample_rows = rows[samples]
     parts = {
         "input_ids": batch.token_ids[token_rows, positions],
@@ -75,6 +84,12 @@ def prepare_host_step(
         "sample_rows": sample_rows,
         **batch.take_updates(),
     }
+    if any(pending):
+        unknown = (positions >= known[seq_of_token]).nonzero().flatten()  # [num_unknown]
+        order_list = order.tolist()
+        owners = [scheduled[order_list[s]][0] for s in seq_of_token[unknown].tolist()]
+        parts["pending_dst"] = unknown
+        parts["pending_src"] = _sample_index_in(previous, owners)
     requests = [batch.row_state[row].request for row in sample_rows.tolist()]
     sampling = _plan_sampling(batch, sample_rows, requests, parts)
     return HostStep(
@@ -89,6 +104,15 @@ def prepare_host_step(
     )
 
 
+def _sample_index_in(previous: HostStep | None, owners: list[Request]) -> torch.Tensor:
+    """Where each owner's pending token is among the previous step's sampled ids."""
+    index = {r.request_id: i for i, r in enumerate(previous.sample_requests)} if previous else {}
+    missing = [r.request_id for r in owners if r.request_id not in index]
+    if missing:
+        raise RuntimeError(f"pending tokens of {missing} were not sampled by the step in flight")
+    return torch.tensor([index[r.request_id] for r in owners], dtype=torch.int64)
+
+
 def _plan_sampling(batch, sample_rows, requests, parts) -> SamplingPlan | None:
     if not requests:
         return None
@@ -101,9 +125,18 @@ def _plan_sampling(batch, sample_rows, requests, parts) -> SamplingPlan | None:
     return plan
 
 
-def device_step(batch: InputBatch, host: HostStep, staged: dict[str, torch.Tensor]) -> StepInputs:
-    """On the device, after the copy: apply the table updates and build the metadata views."""
+def device_step(
+    batch: InputBatch,
+    host: HostStep,
+    staged: dict[str, torch.Tensor],
+    previous_ids: torch.Tensor | None = None,
+) -> StepInputs:
+    """On the device, after the copy: apply the table updates, fill in the pending tokens from
+    the previous step's sampled ids (previous_ids [num_samples], still on the device), and build
+    the metadata views."""
     batch.apply_updates(staged)
+    if "pending_dst" in staged:
+        staged["input_ids"][staged["pending_dst"]] = previous_ids[staged["pending_src"]]
     num_decode = host.num_decode
     tables = batch.device_block_table[staged["seq_rows"], : host.max_blocks]  # [num_seqs, width]
     seq_lens = staged["seq_lens"].int()

@@ -51,11 +51,12 @@ class BlockManager:
 
     # ---- prefix cache -----------------------------------------------------------------------
     def hash_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Extend request.block_hashes over the full blocks of its first num_tokens tokens."""
+        """Extend request.block_hashes over the full blocks of its first num_tokens tokens
+        (known ones only: a pending token is hashed once it lands)."""
         if not self.enable_prefix_caching:
             return
         tokens = None
-        num_full = num_tokens // self.block_size
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         while len(request.block_hashes) < num_full:
             tokens = tokens or request.all_token_ids
             i = len(request.block_hashes)

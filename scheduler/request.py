@@ -175,7 +175,8 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or queued to be)
+    num_pending_tokens: int = 0  # sampled by a launched step, not yet seen by the host
     num_cached_prefix_tokens: int = 0  # prefix-cache hits at the last admission
     block_ids: list[int] = field(default_factory=list)  # GPU block table
     block_hashes: list[int] = field(default_factory=list)  # hash chain of its full blocks
@@ -202,6 +203,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return self.num_tokens + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

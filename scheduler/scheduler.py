@@ -162,7 +162,9 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: self.urgency(r, now)):
             if request.status is not RequestStatus.RUNNING or out.budget == 0:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, out.budget)
+            if self._ends_with_pending_token(request):
+                continue  # its last token is on its way: it finishes when that lands
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, out.budget)
             if self._exceeds_cache(request, num_new):
                 self._finish_out_of_cache(request, now)
                 continue
@@ -173,6 +175,16 @@ class Scheduler:
                     break
             else:
                 self._add_to_step(out, request, num_new, now)
+
+    def _ends_with_pending_token(self, request: Request) -> bool:
+        """Async scheduling: the token in flight is the request's last by length."""
+        if not request.num_pending_tokens:
+            return False
+        num_output = request.num_output_tokens + request.num_pending_tokens
+        return (
+            num_output >= request.sampling_params.max_tokens
+            or request.num_tokens_with_pending >= self.config.max_model_len
+        )
 
     def _exceeds_cache(self, request: Request, num_new: int) -> bool:
         bm = self.block_manager
@@ -409,17 +421,25 @@ class Scheduler:
         ev.emit(request, kind, now, **facts)
 
     # ---- after the model ran ----------------------------------------------------------------
+    def mark_launched(self, out: SchedulerOutput) -> None:
+        """The step is queued on the device: its tokens count as computed, and each request
+        whose tokens it reaches the end of has one token pending until update_from_output."""
+        for request, num_tokens in out.scheduled:
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens_with_pending:
+                request.num_pending_tokens += 1
+
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled ones, finish on a stop condition.
+        """A launched step's tokens have landed: append them, finish on a stop condition.
         Returns the requests that got a new token, in step order."""
         advanced = []
-        for request, num_tokens in out.scheduled:
+        for request, _ in out.scheduled:
             if request.is_finished:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += num_tokens
+                continue  # aborted (or stopped by an earlier step) while the step ran
             token_id = sampled.get(request.request_id)
             if token_id is None:
                 continue
+            request.num_pending_tokens -= 1
             request.output_token_ids.append(token_id)
             advanced.append(request)
             status = self.check_stop(request, token_id)

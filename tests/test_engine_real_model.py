@@ -121,6 +121,7 @@ def test_preemption_keeps_outputs_identical(engine, prompts, mode):
             preemption_mode=mode,
             swap_space=0.5,
             enable_prefix_caching=False,
+            async_scheduling="on",  # preempted while their next token is still on the device
         ),
         batch,
         params,

@@ -68,6 +68,7 @@ def test_staged_inputs_equal_the_plain_flat_batch(engine):
             batch.updates.params += parts["param_values"].tolist()
         sampled = engine.runner.execute(out)
         tokens = {rid: token for rid, (token, _) in sampled.items()}
+        engine.scheduler.mark_launched(out)
         for request in engine.scheduler.update_from_output(out, tokens):
             engine._output_for(request, *sampled[request.request_id])
     assert checked >= 5
@@ -108,6 +109,7 @@ def test_launch_then_collect_later_gives_the_same_outputs(tiny_model_dir, engine
     while other.has_unfinished():
         out = other.scheduler.schedule()
         launched = other.runner.launch(out)
+        other.scheduler.mark_launched(out)
         torch.randn(64, 64) @ torch.randn(64, 64)  # the host busy with something else
         sampled = other.runner.collect(launched)
         other.scheduler.update_from_output(out, {rid: t for rid, (t, _) in sampled.items()})

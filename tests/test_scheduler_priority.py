@@ -42,6 +42,7 @@ def step(scheduler):
     sampled = {
         r.request_id: 7 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
     }
+    scheduler.mark_launched(out)
     scheduler.update_from_output(out, sampled)
     return out
 

@@ -128,6 +128,7 @@ def test_scheduler_invariants(
             for r, n in out.scheduled
             if r.num_computed_tokens + n == r.num_tokens
         }
+        scheduler.mark_launched(out)
         scheduler.update_from_output(out, sampled)
         check_blocks(scheduler)
         if not pending and not scheduler.has_unfinished():
@@ -167,6 +168,7 @@ def run_tenants(weights: dict[str, float], steps: int = 400) -> Counter:
         sampled = {
             r.request_id: 5 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
         }
+        scheduler.mark_launched(out)
         scheduler.update_from_output(out, sampled)
     return served
 

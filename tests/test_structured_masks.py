@@ -145,6 +145,19 @@ def test_no_constrained_request_means_no_mask_work(compiler):
     assert builder.start([Request("x", [0])]) is None
 
 
+def test_mask_warm_up_runs_both_apply_paths_and_allows_everything(compiler, monkeypatch):
+    builder = MaskBuilder(GrammarMatchers(), compiler.vocab_size, torch.device("cpu"))
+    applied = []
+    real_apply = xgr.apply_token_bitmask_inplace
+    monkeypatch.setattr(
+        xgr,
+        "apply_token_bitmask_inplace",
+        lambda logits, bitmask: applied.append(logits.shape) or real_apply(logits, bitmask),
+    )
+    builder.warm_up(compiler.vocab_size)
+    assert applied == [(2, compiler.vocab_size), (1, compiler.vocab_size)]
+
+
 def test_padding_columns_are_never_allowed(compiler):
     prepared = compiler.prepare(GrammarSpec("json_object"))
     matchers = GrammarMatchers()

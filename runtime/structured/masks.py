@@ -84,3 +84,15 @@ class MaskBuilder:
     @property
     def pin(self) -> bool:
         return self.device.type == "cuda"
+
+    def warm_up(self, vocab_size: int) -> None:
+        """Apply an all-allowed mask once to every row and to a row subset, so that the
+        device's mask kernel (compiled by xgrammar on first use on CUDA) is ready before the
+        first constrained request."""
+        logits = torch.zeros(2, vocab_size, device=self.device)
+        allowed = torch.full((2, self.num_words), -1, dtype=torch.int32, device=self.device)
+        rows = torch.arange(2, dtype=torch.int32, device=self.device)
+        GrammarMask(allowed, rows, covers_all=True).apply(logits)
+        logits = GrammarMask(allowed[:1], rows[1:], covers_all=False).apply(logits)
+        if not bool(torch.isfinite(logits).all()):
+            raise RuntimeError("the grammar mask kernel disallowed tokens of an all-ones mask")
