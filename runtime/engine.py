@@ -283,7 +283,7 @@ class Engine:
     def _land(self, out: SchedulerOutput, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens and hand them to the scheduler and the grammars."""
         sampled = self.runner.collect(launched)
-        self.num_steps += 1
+        self.num_steps += launched.host is not None  # a step with nothing to run is no step
         tokens = {rid: token for rid, (token, _) in sampled.items()}
         advanced = self.scheduler.update_from_output(out, tokens)
         for request in self.structured.advance(advanced):  # its grammar is complete

@@ -121,6 +121,36 @@ def test_one_copy_each_way_and_no_other_sync_per_step(engine, monkeypatch):
     assert requests[2].output_token_ids and num_steps >= 6
 
 
+def test_async_scheduling_keeps_one_copy_each_way(engine, monkeypatch):
+    """A step launched while the previous one is in flight reads that step's tokens on the
+    device (no copy, no sync), and still makes one copy each way."""
+    recorder = SyncRecorder()
+    copies = count_step_copies(recorder, monkeypatch)
+    monkeypatch.setattr(engine, "async_scheduling", True)
+    launched_with_pending = []
+    launch = engine.runner.launch
+
+    def recording_launch(out, previous=None):
+        launched = launch(out, previous)
+        if launched.host is not None:
+            launched_with_pending.append("pending_dst" in launched.host.parts)
+        return launched
+
+    monkeypatch.setattr(engine.runner, "launch", recording_launch)
+    plain = [p for p in mixed_params() if not p.frequency_penalty]
+    prompts = [[5, 6, 7, 8] * k for k in range(1, 4)]
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, plain)]
+    steps_before = engine.num_steps
+    with recorder:
+        while engine.has_unfinished():
+            engine.step()
+            assert recorder.calls == [], f"a step syncs: {recorder.calls}"
+    num_launched = engine.num_steps - steps_before
+    assert copies == {"to_device": num_launched, "to_host": num_launched}
+    assert launched_with_pending.count(True) >= 4
+    assert all(r.num_output_tokens == 6 for r in requests)
+
+
 def test_the_recorder_catches_a_sync(engine, monkeypatch):
     """The check above is real: the CPU path's attention planning reads lengths on the host
     (free on a CPU, a sync on a GPU), and the recorder sees it."""
