@@ -49,7 +49,7 @@ class RequestError(ValueError):
         self.code, self.param = code, param
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]

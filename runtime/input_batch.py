@@ -22,6 +22,7 @@ class Row:
     num_tokens: int  # tokens written into the host token table
     num_blocks: int  # block ids written into the block tables
     num_preemptions: int  # the request's count when it joined; a change means it left
+    last_block_id: int | None = None  # the last block id written into the tables
 
 
 @dataclass
@@ -111,14 +112,16 @@ class InputBatch:
 
     def _write_blocks(self, row: int, state: Row, request: Request) -> None:
         start, block_ids = state.num_blocks, request.block_ids
-        if len(block_ids) < start or (
-            start and block_ids[start - 1] != self.block_table[row, start - 1]
-        ):
+        if len(block_ids) < start or (start and block_ids[start - 1] != state.last_block_id):
             start = 0  # the table changed under us: rewrite it whole
         new = block_ids[start:]
-        self.block_table[row, start : len(block_ids)] = torch.tensor(new, dtype=torch.int64)
+        if len(new) == 1:  # a decode's new block
+            self.block_table[row, start] = new[0]
+        else:
+            self.block_table[row, start : len(block_ids)] = torch.tensor(new, dtype=torch.int64)
         self.updates.block_cells.extend((row, start + i, b) for i, b in enumerate(new))
         state.num_blocks = len(block_ids)
+        state.last_block_id = block_ids[-1] if block_ids else None
         self.num_blocks[row] = len(block_ids)
 
     def _drop_departed(self, scheduled_ids: set[str]) -> None:

@@ -111,6 +111,11 @@ class BlockManager:
     def allocate(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Give the request blocks for num_new_tokens more tokens (after taking the cached prefix
         blocks `cached`, which must directly follow its current blocks). False changes nothing."""
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if not cached and num_tokens <= len(request.block_ids) * self.block_size:
+            if num_tokens // self.block_size > len(request.block_hashes):
+                self._cache_computed_blocks(request, num_tokens)
+            return True  # a decode inside the blocks it has
         if not self.can_allocate(request, num_new_tokens, cached):
             return False
         for block_id in cached:
@@ -118,9 +123,7 @@ class BlockManager:
         request.block_ids.extend(cached)
         needed = self.num_blocks_needed(request, num_new_tokens)
         request.block_ids.extend(self._take_free_block() for _ in range(needed))
-        num_tokens = request.num_computed_tokens + num_new_tokens
-        if cached or needed or num_tokens // self.block_size > len(request.block_hashes):
-            self._cache_computed_blocks(request, num_tokens)  # else: a decode inside its block
+        self._cache_computed_blocks(request, num_tokens)
         return True
 
     def _cache_computed_blocks(self, request: Request, num_tokens: int) -> None:

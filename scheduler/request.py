@@ -21,9 +21,8 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
 
-    @property
-    def is_finished(self) -> bool:
-        return self.value.startswith("finished")
+    def __init__(self, value: str) -> None:
+        self.is_finished = value.startswith("finished")  # a plain attribute: read per request
 
 
 FINISH_REASONS = {
