@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jinja2
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -109,9 +110,11 @@ def validate_messages(messages: list[dict]) -> None:
 class IncrementalDetokenizer:
     """Text of one request's output tokens, emitted as soon as it is safe.
 
-    Invariants: the window holds the tokens from the prefix offset on, of which the first
-    num_read were already emitted; pending is decoded text held back because a stop string
-    could still start in it.
+    A token's text is the decode of (read + unread + token) past the decode of read, once it no
+    longer ends inside a character; `read` are the tokens of the last text read (the prompt's
+    last few at first), `unread` those since. A fast tokenizer does this in its own
+    DecodeStream, one call per token; others decode the two windows here. `pending` is decoded
+    text held back because a stop string could still start in it.
     """
 
     def __init__(
@@ -129,23 +132,50 @@ class IncrementalDetokenizer:
         self.stop_hit: str | None = None
         self.text = ""
         self.pending = ""
-        self.window = self._prompt_context(prompt_token_ids)
-        self.num_read = len(self.window)
+        self.read = self._prompt_context(prompt_token_ids)
+        self.unread: list[int] = []
+        self.stream = None
+        if tokenizer.backend is not None:
+            self.stream = DecodeStream(ids=self.read, skip_special_tokens=skip_special_tokens)
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """The new text that is safe to emit now ('' once a stop string was hit)."""
         if self.stop_hit is not None:
             return ""
-        self.window.extend(new_token_ids)
-        return self._emit(self._read_new_text(), final=False)
+        if len(new_token_ids) == 1:
+            return self._emit(self._read_token(new_token_ids[0]), final=False)
+        return self._emit("".join(map(self._read_token, new_token_ids)), final=False)
 
     def flush(self) -> str:
         """At finish: all that was held back, unless a stop string was hit."""
         if self.stop_hit is not None:
             return ""
-        prefix_text, full_text = self._decode_window()
-        self.window, self.num_read = [], 0
+        prefix_text, full_text = self._decode_windows()
+        self.read, self.unread = [], []
         return self._emit(full_text[len(prefix_text) :], final=True)
+
+    def _read_token(self, token_id: int) -> str:
+        self.unread.append(token_id)
+        if self.stream is None:
+            text = self._decode_step()
+        else:
+            try:
+                text = self.stream.step(self.tokenizer.backend, token_id)
+            except Exception:  # a decoder whose text changes behind the prefix: decode here
+                self.stream = None
+                text = self._decode_step()
+        if text:
+            self.read, self.unread = self.unread, []
+        return text or ""
+
+    def _decode_step(self) -> str:
+        prefix_text, full_text = self._decode_windows()
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""  # nothing new yet, or a character still incomplete
+        return full_text[len(prefix_text) :]
+
+    def _decode_windows(self) -> tuple[str, str]:
+        return self._decode(self.read), self._decode(self.read + self.unread)
 
     def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
         # A prompt that ends inside a character gives no context: its bytes are not ours.
@@ -154,22 +184,14 @@ class IncrementalDetokenizer:
             return []
         return context
 
-    def _read_new_text(self) -> str:
-        prefix_text, full_text = self._decode_window()
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing new yet, or a character still incomplete
-        self.window = self.window[self.num_read :]
-        self.num_read = len(self.window)
-        return full_text[len(prefix_text) :]
-
-    def _decode_window(self) -> tuple[str, str]:
-        return self._decode(self.window[: self.num_read]), self._decode(self.window)
-
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _emit(self, new_text: str, final: bool) -> str:
         """Search stop strings in the held text plus new_text; emit what is safe."""
+        if not self.stop:
+            self.text += new_text
+            return new_text
         self.pending += new_text
         stop_at = find_stop(self.pending, self.stop)
         if stop_at is not None:

@@ -187,6 +187,41 @@ def test_incremental_equals_full_decode_on_random_tokens(tokenizer, seed):
         assert "".join(pieces) + flushed == expected, (prompt_ids, output_ids)
 
 
+class BrokenStream:
+    """A decode stream that gives up after a few tokens, as a decoder whose text changes
+    behind its prefix makes tokenizers' DecodeStream raise."""
+
+    def __init__(self, stream, num_good: int) -> None:
+        self.stream, self.num_left = stream, num_good
+
+    def step(self, backend, token_id):
+        self.num_left -= 1
+        if self.num_left < 0:
+            raise RuntimeError("invalid prefix")
+        return self.stream.step(backend, token_id)
+
+
+@pytest.mark.parametrize("stream", ["decode windows", "stream then windows"])
+def test_without_the_decode_stream_the_pieces_are_the_same(tokenizer, stream):
+    """The detokenizer's own window decoding (a tokenizer without DecodeStream, or after the
+    stream raised) emits the same pieces as the stream, at the same tokens."""
+    rng = random.Random(7)
+    for _ in range(20):
+        output_ids = random_token_ids(tokenizer, rng, rng.randint(1, 40))
+        prompt_ids = random_token_ids(tokenizer, rng, rng.randint(0, 8))
+        sizes = random_chunk_sizes(rng, len(output_ids))
+        with_stream = detokenize(tokenizer, output_ids, sizes, prompt_ids)
+        other = IncrementalDetokenizer(tokenizer, list(prompt_ids))
+        assert other.stream is not None
+        other.stream = None if stream == "decode windows" else BrokenStream(other.stream, 3)
+        pieces, start = [], 0
+        for size in sizes:
+            pieces.append(other.add_tokens(output_ids[start : start + size]))
+            start += size
+        assert (pieces, other.flush()) == with_stream[:2], (prompt_ids, output_ids)
+        assert other.stream is None or len(output_ids) <= 3
+
+
 def test_stop_string_spanning_tokens_truncates_output(tokenizer):
     output_ids = tokenizer.encode("The answer is 42. END of story, more text.")
     pieces, flushed, detokenizer = detokenize(
