@@ -219,8 +219,10 @@ class ModelRunner:
             if not self._assign_warm_up_blocks(batch):
                 return
         mixed_graphs, self.mixed_graphs = self.mixed_graphs, None
-        self.execute(SchedulerOutput(scheduled=batch))  # the eager decode and prefill kernels
-        self.mixed_graphs = mixed_graphs
+        try:
+            self.execute(SchedulerOutput(scheduled=batch))  # the eager decode and prefill kernels
+        finally:
+            self.mixed_graphs = mixed_graphs
         if mixed_graphs is not None:
             self.execute(SchedulerOutput(scheduled=batch))  # replays a mixed graph
         self.execute(SchedulerOutput(scheduled=[(short, 1)]))
