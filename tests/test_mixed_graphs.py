@@ -45,7 +45,11 @@ def attach_graphs(runner: ModelRunner, max_tokens: int, max_seqs: int) -> MixedG
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir) -> ModelRunner:
     config = EngineConfig(
-        model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=MAX_SEQS
+        model=str(tiny_model_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        max_num_seqs=MAX_SEQS,
+        enforce_eager=True,  # on a GPU: no captured graphs of its own
     )
     runner = ModelRunner(config, Path(tiny_model_dir))
     use_triton_kernels(runner)
@@ -129,7 +133,7 @@ def compare_paths(runner, graphs: MixedGraphs, shape) -> int:
         index = inputs.sample_index
         assert torch.equal(logits(padded[index]).argmax(-1), logits(eager[index]).argmax(-1))
         # the step's slots hold its keys and values, every other slot is untouched
-        real = torch.zeros(slot_view(cache).shape[2], dtype=torch.bool)
+        real = torch.zeros(slot_view(cache).shape[2], dtype=torch.bool, device=cache.device)
         real[inputs.attn.slot_mapping] = True
         assert torch.equal(slot_view(cache)[:, :, ~real], slot_view(before)[:, :, ~real])
         torch.testing.assert_close(
@@ -197,6 +201,7 @@ def test_engine_outputs_equal_with_padded_graph_paths(tiny_model_dir):
         max_num_seqs=3,
         max_batch_tokens=16,
         enable_prefix_caching=False,  # the second run computes everything again
+        enforce_eager=True,  # on a GPU: the first run is the eager one
     )
     engine = Engine(config)
     runner = engine.runner
