@@ -174,7 +174,7 @@ def test_padded_forward_equals_eager(runner, graphs, shape, bucket):
     assert compare_paths(runner, graphs, shape) == bucket
 
 
-def test_steps_that_fit_no_graph_run_eagerly(runner):
+def test_steps_that_fit_no_mixed_graph_are_left_to_the_eager_path(runner):
     small = attach_graphs(runner, 32, max_seqs=3)
     assert small.buckets == [16, 32] and small.max_seqs == 3
     cases = {
