@@ -3,7 +3,8 @@
     conveyor bench gpu            # exits 1 on a mismatch, 0 otherwise (and on CPU)
 
 1. Correctness in bfloat16: each Triton kernel against its torch reference (run in float32 on
-   the same bf16 values) on random inputs, plus CUDA-graph capture of decode.
+   the same bf16 values) on random inputs, plus CUDA-graph capture of decode and of a mixed
+   step's padded prefill (as the mixed-step graphs run it).
 2. Decode attention bandwidth at long contexts: bytes of K/V read / time, as a share of the
    device-to-device copy bandwidth measured here (read + write bytes / time); target >= 70%.
 """
@@ -155,6 +156,64 @@ def check_decode_graph(kernels, num_heads, num_kv_heads, head_dim) -> float:
     return relative_error(out, expected)
 
 
+def check_mixed_graph(kernels, num_heads, num_kv_heads, head_dim) -> float:
+    """A mixed step's attention as runtime.cuda_graphs.MixedGraphs captures it: all prefill
+    (decodes as one-query chunks) over static buffers padded to 256 tokens and 8 sequence rows,
+    the padding tokens owned by a sequence of length 0. Captured on one step's contents,
+    replayed on another's (more sequences, fewer tokens); padding must give zeros. Without a
+    GPU (a smoke test) the same runs without capture."""
+    bucket, num_rows, scale = 256, 8, head_dim**-0.5
+    max_lens = [40, 3000, 16, 200, 200]  # the cache holds every sequence either step uses
+    _, k_cache, v_cache, tables, _, _ = paged_inputs(max_lens, num_heads, num_kv_heads, head_dim)
+    static_tables = torch.zeros(num_rows, tables.shape[1], dtype=torch.int32, device=DEVICE)
+    static_tables[: len(max_lens)] = tables
+    q = torch.randn(bucket, num_heads, head_dim, device=DEVICE, dtype=DTYPE)
+    qsl = torch.zeros(num_rows + 1, dtype=torch.int32, device=DEVICE)
+    lens = torch.zeros(num_rows, dtype=torch.int32, device=DEVICE)
+
+    def fill(q_lens: list[int], seq_lens: list[int]) -> None:
+        q.copy_(torch.randn_like(q))
+        qsl.fill_(bucket)  # rows past the step's: the padding tokens', then empty ones
+        qsl[: len(q_lens) + 1] = torch.tensor([0, *q_lens], device=DEVICE).cumsum(0)
+        lens.zero_()
+        lens[: len(seq_lens)] = torch.tensor(seq_lens, device=DEVICE)
+
+    def attend() -> torch.Tensor:
+        return kernels.paged_attention_prefill(q, k_cache, v_cache, static_tables, qsl, lens, scale)
+
+    fill([1, 1, 9, 150], [40, 3000, 9, 200])
+    replay = capture(attend) if DEVICE.type == "cuda" else attend
+    fill([1, 1, 1, 2, 120], [40, 2900, 16, 2, 180])
+    out = replay()
+    num_tokens, num_seqs = 125, 5
+    expected = reference.paged_attention_prefill(
+        q[:num_tokens].float(), k_cache.float(), v_cache.float(), static_tables[:num_seqs],
+        qsl[: num_seqs + 1], lens[:num_seqs], scale,
+    )  # fmt: skip
+    if not torch.isfinite(out).all() or out[num_tokens:].any():
+        return float("inf")
+    return relative_error(out[:num_tokens], expected)
+
+
+def capture(fn):
+    """fn captured in a CUDA graph (after a run that compiles it); returns a replay that
+    gives fn's output tensor."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
 def run_checks(kernels) -> bool:
     rows = []
     for name, num_heads, num_kv_heads, head_dim in MODEL_SHAPES:
@@ -164,6 +223,7 @@ def run_checks(kernels) -> bool:
             errors |= check(*shape)
         if DEVICE.type == "cuda":
             errors["decode in a CUDA graph"] = check_decode_graph(*shape)
+        errors["mixed step in a CUDA graph"] = check_mixed_graph(*shape)
         rows += [(name, check, error) for check, error in errors.items()]
     print(f"\n{'shape':14} {'check':30} {'rel. error':>10}  result")
     for name, check, error in rows:

@@ -269,7 +269,8 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table_row_ptr = block_tables_ptr + seq * table_stride
     kv_end = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
-    # key 0 is visible to every row (padded rows too), so row_max is finite after tile 0
+    # key 0 is visible to every row (padded rows too), so row_max is finite after tile 0; a
+    # sequence of length 0 (a graph's padding tokens) has no tile and writes zeros
     for tile_start in range(0, kv_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_mask = key_pos < kv_end
@@ -283,7 +284,7 @@ def _prefill_kernel(
         )
 
     out_offsets = tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
-    out = acc / row_sum[:, None]
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(out_ptr + out_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -348,7 +349,9 @@ def paged_attention_prefill(
     scale: float,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> out, same shape. Sequence s owns the queries
-    query_start_loc[s]:query_start_loc[s+1], its last q_len positions (causal)."""
+    query_start_loc[s]:query_start_loc[s+1], its last q_len positions (causal). Graph padding:
+    a sequence of length 0 gives zeros for its queries; queries past query_start_loc[-1] are
+    left unwritten. Sizes come from the shapes only (no sync), so graphs can capture it."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]

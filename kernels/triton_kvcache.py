@@ -67,4 +67,3 @@ def store_kvcache(
         TOKEN_SIZE=token_size,
         BLOCK=triton.next_power_of_2(token_size),
     )
-

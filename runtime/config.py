@@ -81,7 +81,7 @@ class EngineConfig(BaseModel):
         json_schema_extra={"metavar": "SECONDS"},
     )
     enable_prefix_caching: bool = Field(True, json_schema_extra={"flag": "--no-prefix-caching"})
-    enforce_eager: bool = Field(False, description="CUDA: run decode without graphs")
+    enforce_eager: bool = Field(False, description="CUDA: run every step eagerly (no CUDA graphs)")
     seed: int = Field(0, description="seeds the sampler of requests without their own seed")
     async_output: Literal["auto", "on", "off"] = Field(
         "auto",

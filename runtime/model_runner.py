@@ -78,23 +78,24 @@ class ModelRunner:
         )
         self.staging = StagingBuffer(self.device)
         self.grammar_masks = None  # runtime.structured.MaskBuilder, set by the engine
-        self.decode_graphs = self._capture_graphs(config) if self.device.type == "cuda" else None
+        self.decode_graphs = self.mixed_graphs = None  # runtime.cuda_graphs, CUDA only
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs(config)
         if self.device.type == "cuda":
             self.warm_up()  # Triton compiles on first use: not on the first request's time
 
-    def _capture_graphs(self, config: EngineConfig):
-        if config.enforce_eager:
-            return None
-        from runtime.cuda_graphs import DecodeGraphs
+    def _capture_graphs(self, config: EngineConfig) -> None:
+        """Mixed-step graphs (token buckets) first, then the decode graphs, in one pool."""
+        from runtime.cuda_graphs import DecodeGraphs, MixedGraphs
 
-        graphs = DecodeGraphs(
-            self.model,
-            self.kv_cache,
-            min(config.max_num_seqs, 512),
-            self.input_batch.device_block_table.shape[1],
+        width = self.input_batch.device_block_table.shape[1]
+        self.mixed_graphs = MixedGraphs(
+            self.model, self.kv_cache, config.max_batch_tokens, config.max_num_seqs, width
         )
-        graphs.capture()
-        return graphs
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_cache, min(config.max_num_seqs, 512), width
+        )
+        self.decode_graphs.capture(self.mixed_graphs.capture())
 
     @property
     def bytes_per_block(self) -> int:
@@ -197,9 +198,9 @@ class ModelRunner:
         }
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(inputs.attn, inputs.input_ids.shape[0]):
-            return graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
+        for graphs in (self.decode_graphs, self.mixed_graphs):
+            if graphs is not None and graphs.can_run(inputs.attn, inputs.input_ids.shape[0]):
+                return graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
         ctx = ForwardContext(inputs.attn, self.kv_cache.k_caches, self.kv_cache.v_caches)
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
@@ -207,7 +208,8 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Run every kernel variant a step can need once, on throw-away requests: a mixed step
         with a short decode (one decode partition), a long decode (split-K) and a prefill chunk,
-        then a decode-only step (graph replay, or the eager decode path)."""
+        eagerly and then as a mixed graph's replay, then a decode-only step (graph replay, or
+        the eager decode path)."""
         short = _warm_up_request("__warmup_short__", 8, decoding=True)
         long = _warm_up_request("__warmup_long__", 4 * 256 + 8, decoding=True)
         prefill = _warm_up_request("__warmup_prefill__", 40, decoding=False)
@@ -216,7 +218,13 @@ class ModelRunner:
             batch = [(short, 1), (prefill, 40)]  # a small cache: no long decode
             if not self._assign_warm_up_blocks(batch):
                 return
-        self.execute(SchedulerOutput(scheduled=batch))
+        mixed_graphs, self.mixed_graphs = self.mixed_graphs, None
+        try:
+            self.execute(SchedulerOutput(scheduled=batch))  # the eager decode and prefill kernels
+        finally:
+            self.mixed_graphs = mixed_graphs
+        if mixed_graphs is not None:
+            self.execute(SchedulerOutput(scheduled=batch))  # replays a mixed graph
         self.execute(SchedulerOutput(scheduled=[(short, 1)]))
         for request, _ in batch:
             self.sampler.release(request.request_id)

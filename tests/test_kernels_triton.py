@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib  # noqa: E402
+from itertools import accumulate  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -173,6 +174,28 @@ def test_paged_attention_prefill_matches_reference(under_test, dtype, group):
     )
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out, expected, dtype)
+
+
+def test_paged_attention_prefill_gives_zeros_for_empty_padding_sequences(under_test):
+    """A mixed-step graph's padding: sequences of length 0, one owning the padding tokens (its
+    queries get zeros), the others with no queries; the real sequences are unaffected."""
+    chunks = [(1, 30), (9, 0), (20, 5)]  # (q_len, cached prefix)
+    q_lens = [q_len for q_len, _ in chunks] + [11, 0, 0]  # padding: 11 tokens, 2 empty rows
+    seq_lens_list = [q_len + prefix for q_len, prefix in chunks] + [0, 0, 0]
+    q = torch.randn(sum(q_lens), 3 * NUM_KV_HEADS, HEAD_DIM, device=under_test.device)
+    k_cache, v_cache = random_caches(torch.float32, under_test.device)
+    tables, clean_tables = random_block_tables(seq_lens_list, under_test.device, max_blocks=4)
+    query_start_loc = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=q.device)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=q.device)
+    out = under_test.triton_attention.paged_attention_prefill(
+        q, k_cache, v_cache, tables, query_start_loc, seq_lens, 0.125
+    )
+    num_real = sum(q_lens[:3])
+    expected = reference.paged_attention_prefill(
+        q[:num_real], k_cache, v_cache, clean_tables[:3], query_start_loc[:4], seq_lens[:3], 0.125
+    )
+    assert_close(out[:num_real], expected, torch.float32)
+    assert torch.isfinite(out).all() and not out[num_real:].any()
 
 
 # ---------------------------------------------------------------- RMSNorm and RoPE

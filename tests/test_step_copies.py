@@ -191,3 +191,48 @@ def test_constrained_rows_add_at_most_the_bitmask_copy(engine, monkeypatch):
             assert set(recorder.calls) <= {"to in masks.py:result"}, recorder.calls
     assert requests[0].output_text.startswith("{")
     assert len(engine.structured.matchers) == 0
+
+
+def test_padded_graph_inputs_add_no_sync(engine, monkeypatch):
+    """The CUDA graphs' static inputs are filled on the device: mixed steps (a mixed graph's
+    padded all-prefill forward) and decode-only steps (a decode graph's) keep one copy each way
+    and no sync. The graphs are not captured here: their `run` does the same padded forward
+    eagerly, as a replay would, with the Triton kernels interpreted."""
+    from runtime.cuda_graphs import DecodeGraphs, MixedGraphs
+
+    runner = engine.runner
+    width = runner.input_batch.device_block_table.shape[1]
+    graphs = {
+        "mixed": MixedGraphs(runner.model, runner.kv_cache, 64, 8, width),
+        "decode": DecodeGraphs(runner.model, runner.kv_cache, 8, width),
+    }
+    used = []
+    for name, step_graphs in graphs.items():
+        monkeypatch.setattr(step_graphs, "run", recording(step_graphs.run, used, name))
+    monkeypatch.setattr(runner, "mixed_graphs", graphs["mixed"])
+    monkeypatch.setattr(runner, "decode_graphs", graphs["decode"])
+    monkeypatch.setattr(runner.backend, "native", None)  # the Triton decode kernel, as on a GPU
+    recorder = SyncRecorder()
+    copies = count_step_copies(recorder, monkeypatch)
+    params = mixed_params()
+    requests = [engine.add_request([5, 6, 7, 8] * (k + 1), params[k]) for k in range(2)]
+    num_steps = 0
+    with recorder:
+        while engine.has_unfinished():
+            if num_steps == 2:  # a prompt joins running decodes: a mixed step
+                requests.append(engine.add_request([9, 8, 7] * 5, params[2]))
+            engine.step()
+            num_steps += 1
+            assert copies == {"to_device": num_steps, "to_host": num_steps}
+            assert recorder.calls == [], f"step {num_steps} syncs: {recorder.calls}"
+    assert all(r.num_output_tokens == 6 for r in requests)
+    assert used.count("mixed") == 2 and "decode" in used, used
+    assert len(used) == num_steps  # every step replayed a graph
+
+
+def recording(run, used: list[str], name: str):
+    def recorded(*args):
+        used.append(name)
+        return run(*args)
+
+    return recorded
