@@ -65,7 +65,7 @@ def engine(tiny_model_dir) -> Engine:
     kernels = _triton_kernels()
     assert kernels is not None, "triton is needed for the GPU code path"
     backend = engine.runner.backend
-    backend.use_triton, backend.kernels = True, kernels
+    backend.use_triton, backend.kernels, backend.native = True, kernels, None  # as on a GPU
     for module in engine.runner.model.modules():
         if hasattr(module, "kernels"):
             module.kernels = kernels
@@ -211,7 +211,6 @@ def test_padded_graph_inputs_add_no_sync(engine, monkeypatch):
         monkeypatch.setattr(step_graphs, "run", recording(step_graphs.run, used, name))
     monkeypatch.setattr(runner, "mixed_graphs", graphs["mixed"])
     monkeypatch.setattr(runner, "decode_graphs", graphs["decode"])
-    monkeypatch.setattr(runner.backend, "native", None)  # the Triton decode kernel, as on a GPU
     recorder = SyncRecorder()
     copies = count_step_copies(recorder, monkeypatch)
     params = mixed_params()
