@@ -217,6 +217,9 @@ class MixedStaticInputs:
         )
 
 
+MAX_GRAPHED_CONTEXT = 4096  # tokens: a mixed step with decodes and a longer sequence runs eagerly
+
+
 class MixedGraphs(StepGraphs):
     """max_seqs: sequences a mixed step may have. Each has a token, so a bucket of T tokens
     needs at most min(max_seqs, T) sequence rows and one for its padding: its prefill grid has
@@ -241,12 +244,22 @@ class MixedGraphs(StepGraphs):
         return min(self.max_seqs, bucket) + 1
 
     def can_run(self, attn: AttentionMetadata, num_tokens: int) -> bool:
+        """Also refused: decodes beside a sequence longer than MAX_GRAPHED_CONTEXT (the table
+        width is the step's longest, known on the host). Inside the graph the prefill kernel
+        reads a decode's context in one program per kv head; eagerly, the decode kernel splits
+        a long context across the GPU."""
+        width = attn.prefill_block_tables.shape[1]
         return (
             attn.num_prefill_seqs > 0
             and num_tokens <= self.max_tokens
             and attn.num_decode_tokens + attn.num_prefill_seqs <= self.max_seqs
-            and attn.prefill_block_tables.shape[1] <= self.static.block_tables.shape[1]
+            and width <= self.static.block_tables.shape[1]
+            and (not attn.num_decode_tokens or width * self.block_size <= MAX_GRAPHED_CONTEXT)
         )
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.gpu.shape[3]
 
     def _clear(self) -> None:
         self.static.slot_mapping.fill_(-1)

@@ -191,6 +191,26 @@ def test_steps_that_fit_no_mixed_graph_are_left_to_the_eager_path(runner):
         assert fits == why.startswith("fits"), why
 
 
+def test_decodes_beside_a_long_context_are_left_to_the_eager_path(runner, monkeypatch):
+    """The eager decode kernel splits a long context across the GPU; inside a mixed graph the
+    prefill kernel would read it in one program per kv head."""
+    from runtime import cuda_graphs
+
+    small = attach_graphs(runner, 32, max_seqs=3)
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHED_CONTEXT", 64)
+    cases = {
+        "a decode at 100 tokens beside a chunk": ([(100, 1), (0, 4)], False),
+        "a chunk after 100 cached tokens, no decode": ([(100, 4)], True),
+        "short decodes beside a chunk": ([(5, 1), (20, 1), (0, 4)], True),
+    }
+    for why, (shape, expected) in cases.items():
+        scheduled = make_step(runner, shape)
+        inputs = prepare(runner, scheduled)
+        fits = small.can_run(inputs.attn, inputs.input_ids.shape[0])
+        release(runner, scheduled)
+        assert fits == expected, why
+
+
 def test_engine_outputs_equal_with_padded_graph_paths(tiny_model_dir):
     """Whole runs with chunked prefill: the padded mixed and decode paths (as graphs would
     replay them) give the eager run's greedy tokens, and both are taken."""
