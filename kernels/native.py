@@ -21,7 +21,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "cpu" / "paged_decode.cpp",)
+SOURCES = tuple(
+    Path(__file__).parent / "cpu" / name for name in ("paged_decode.cpp", "greedy_projection.cpp")
+)
 LIBRARY = "conveyor_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 
