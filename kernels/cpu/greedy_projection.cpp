@@ -14,10 +14,12 @@
 // does not depend on the number of threads.
 //
 // Blocking: the vocabulary is split into one contiguous chunk per thread (at::parallel_for), so
-// W is read from memory once per call. Inside a chunk, a tile of vocabulary rows (~16 KB) stays
-// in L1 while every pair of hidden rows runs over it: 2 rows x 4 vocabulary rows of dot products
-// at once, vectorised along hidden (8 float32 lanes: AVX2 under -march=native), the 8 sums
-// reduced into one vector at once and compared lane-wise with the running best of each lane.
+// W is read from memory once per call. Inside a chunk, a tile of vocabulary rows (~24 KB) is
+// copied once into panels of 16 vocabulary rows laid out hidden-major ([hidden][16], float32:
+// bfloat16 widened here, once per tile) and stays in L1 while every group of 4 hidden rows runs
+// over it: 4 rows x 16 logits in 8 vector accumulators, one broadcast of x and two loads of the
+// panel per hidden element (8 FMAs), no horizontal sums. Each lane keeps the running best of its
+// logits; lanes, chunks and the few leftover vocabulary rows are merged by argmax's rules.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,51 +45,15 @@ typedef int32_t i8u __attribute__((vector_size(32), aligned(4)));
 typedef uint32_t u8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
 
-constexpr int64_t kRows = 2, kVocab = 4;  // the register block: 8 accumulators
-constexpr int64_t kTileBytes = 16 * 1024;  // vocabulary rows of a tile: about this many bytes
+constexpr int64_t kRows = 4, kLanes = 16;  // the register block: 4 rows x 16 logits
+constexpr int64_t kTileBytes = 24 * 1024;  // a tile of panels: about this many bytes
 constexpr int64_t kMinChunk = 4096;  // vocabulary rows a thread gets at least
 
 inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-
-inline v8 load8(const at::BFloat16* p) {  // bfloat16 -> float32: the bits, 16 places up
-  const u16x8 bits = *reinterpret_cast<const u16x8*>(p);
-  return (v8)(__builtin_convertvector(bits, i8) << 16);
-}
-
-// The last n < 8 elements of a row, zeros after them (never reads past the row).
-template <typename T>
-inline v8 load_tail(const T* p, int64_t n) {
-  T buffer[8] = {};
-  std::memcpy(buffer, p, n * sizeof(T));
-  return load8(buffer);
-}
+inline void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
-
-// [sum(a0), sum(a1), ..., sum(a7)]: eight horizontal sums in one vector.
-inline v8 sum8(v8 a0, v8 a1, v8 a2, v8 a3, v8 a4, v8 a5, v8 a6, v8 a7) {
-#if defined(__AVX__)
-  const __m256 t0 = _mm256_hadd_ps((__m256)a0, (__m256)a1);  // a0 01 23, a1 01 23 | 45 67
-  const __m256 t1 = _mm256_hadd_ps((__m256)a2, (__m256)a3);
-  const __m256 t2 = _mm256_hadd_ps((__m256)a4, (__m256)a5);
-  const __m256 t3 = _mm256_hadd_ps((__m256)a6, (__m256)a7);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1);  // a0..a3 over lanes 0-3 | over lanes 4-7
-  const __m256 u1 = _mm256_hadd_ps(t2, t3);
-  const __m256 low = _mm256_permute2f128_ps(u0, u1, 0x20);
-  const __m256 high = _mm256_permute2f128_ps(u0, u1, 0x31);
-  return (v8)_mm256_add_ps(low, high);
-#else
-  const v8* all[8] = {&a0, &a1, &a2, &a3, &a4, &a5, &a6, &a7};
-  v8 out;
-  for (int i = 0; i < 8; ++i) {
-    float total = 0.f;
-    for (int lane = 0; lane < 8; ++lane) total += (*all[i])[lane];
-    out[i] = total;
-  }
-  return out;
-#endif
-}
 
 // Round to the nearest bfloat16, ties to even, as at::BFloat16(float) does; NaN stays NaN.
 inline v8 round_to_bf16(v8 x) {
@@ -107,126 +73,168 @@ inline bool beats(float value, int64_t index, float best, int64_t best_index) {
   return value > best || (value == best && index < best_index);
 }
 
-// Dot products of 2 rows of x (float32, zero-padded to a multiple of 8) with 4 rows of w:
-// lanes [x0.w0, x0.w1, x0.w2, x0.w3, x1.w0, x1.w1, x1.w2, x1.w3].
+inline v8 load8(const at::BFloat16* p) {  // bfloat16 -> float32: the bits, 16 places up
+  const u16x8 bits = *reinterpret_cast<const u16x8*>(p);
+  return (v8)(__builtin_convertvector(bits, i8) << 16);
+}
+
+// out[h * stride + j] = w[j][h] for 8 vocabulary rows j and 8 hidden elements h from h0.
 template <typename T>
-inline v8 dots_2x4(const float* x0, const float* x1, const T* w, int64_t hidden_size) {
-  const T *w0 = w, *w1 = w + hidden_size, *w2 = w + 2 * hidden_size, *w3 = w + 3 * hidden_size;
-  v8 a00 = {}, a01 = {}, a02 = {}, a03 = {}, a10 = {}, a11 = {}, a12 = {}, a13 = {};
+inline void transpose_8x8(const T* w, int64_t hidden_size, int64_t h0, float* out, int64_t stride) {
+#if defined(__AVX__)
+  __m256 r[8], t[8];
+  for (int j = 0; j < 8; ++j) r[j] = (__m256)load8(w + j * hidden_size + h0);
+  for (int j = 0; j < 8; j += 2) {
+    t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+    t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 8; j += 4) {
+    r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+    r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+    r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+    r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm256_storeu_ps(out + j * stride, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+    _mm256_storeu_ps(out + (j + 4) * stride, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+  }
+#else
+  for (int j = 0; j < 8; ++j)
+    for (int h = 0; h < 8; ++h) out[h * stride + j] = to_float(w[j * hidden_size + h0 + h]);
+#endif
+}
+
+// panel[h * 16 + j] = w[j][h] for the 16 vocabulary rows at w, in float32.
+template <typename T>
+inline void pack_panel(const T* w, int64_t hidden_size, float* panel) {
   const int64_t whole = hidden_size / 8 * 8;
   for (int64_t h = 0; h < whole; h += 8) {
-    const v8 p = load8(x0 + h), q = load8(x1 + h);
-    const v8 b0 = load8(w0 + h), b1 = load8(w1 + h), b2 = load8(w2 + h), b3 = load8(w3 + h);
-    a00 += p * b0, a01 += p * b1, a02 += p * b2, a03 += p * b3;
-    a10 += q * b0, a11 += q * b1, a12 += q * b2, a13 += q * b3;
+    transpose_8x8(w, hidden_size, h, panel + h * kLanes, kLanes);
+    transpose_8x8(w + 8 * hidden_size, hidden_size, h, panel + h * kLanes + 8, kLanes);
   }
-  if (whole < hidden_size) {
-    const int64_t n = hidden_size - whole;
-    const v8 p = load8(x0 + whole), q = load8(x1 + whole);
-    const v8 b0 = load_tail(w0 + whole, n), b1 = load_tail(w1 + whole, n);
-    const v8 b2 = load_tail(w2 + whole, n), b3 = load_tail(w3 + whole, n);
-    a00 += p * b0, a01 += p * b1, a02 += p * b2, a03 += p * b3;
-    a10 += q * b0, a11 += q * b1, a12 += q * b2, a13 += q * b3;
-  }
-  return sum8(a00, a01, a02, a03, a10, a11, a12, a13);
+  for (int64_t j = 0; j < kLanes; ++j)
+    for (int64_t h = whole; h < hidden_size; ++h)
+      panel[h * kLanes + j] = to_float(w[j * hidden_size + h]);
 }
 
 struct Problem {
-  int64_t num_rows, num_pairs, hidden_size, padded_size, vocab_size;
+  int64_t num_rows, padded_rows, hidden_size, vocab_size;
   bool round_bf16;
 };
 
-// The best (value, index) of each row over vocabulary [begin, end) of one chunk.
-struct Best {
-  std::vector<float> value;
-  std::vector<int64_t> index;
+// Running best of each (row, lane): lane j of a row has seen the logits of the vocabulary rows
+// 16k + j of the chunk so far.
+struct LaneBest {
+  std::vector<float> value;  // [padded_rows, 16]
+  std::vector<int32_t> index;  // [padded_rows, 16]
 };
 
-// Lane-wise running maxima of each row pair over the whole-group part of a chunk, then the
-// leftover vocabulary rows one by one.
+inline void update(float* best, int32_t* best_index, v8 logits, i8 index, bool round_bf16) {
+  if (round_bf16) logits = round_to_bf16(logits);
+  const v8 top = load8(best);
+  const i8 top_index = *reinterpret_cast<const i8u*>(best_index);
+  const i8 take = (logits > top) | ((logits != logits) & (top == top));
+  store8(best, take ? logits : top);
+  *reinterpret_cast<i8u*>(best_index) = take ? index : top_index;
+}
+
+// Logits of 4 rows of x ([4, hidden] at x, row stride hidden) against one panel, folded into
+// the rows' lane bests.
+inline void rows_x_panel(const float* x, const float* panel, const Problem& p, int32_t v,
+                         float* best, int32_t* best_index) {
+  const int64_t n = p.hidden_size;
+  const float *x0 = x, *x1 = x + n, *x2 = x + 2 * n, *x3 = x + 3 * n;
+  v8 a00 = {}, a01 = {}, a10 = {}, a11 = {}, a20 = {}, a21 = {}, a30 = {}, a31 = {};
+  for (int64_t h = 0; h < n; ++h) {
+    v8 w0 = load8(panel + h * kLanes), w1 = load8(panel + h * kLanes + 8);
+    asm("" : "+x"(w0), "+x"(w1));  // two loads, not one per FMA: the loads are the bottleneck
+    const float b0 = x0[h], b1 = x1[h], b2 = x2[h], b3 = x3[h];
+    a00 += b0 * w0, a01 += b0 * w1, a10 += b1 * w0, a11 += b1 * w1;
+    a20 += b2 * w0, a21 += b2 * w1, a30 += b3 * w0, a31 += b3 * w1;
+  }
+  const i8 low = {0, 1, 2, 3, 4, 5, 6, 7};
+  const i8 first = low + v, second = low + (v + 8);
+  const v8 sums[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+  for (int i = 0; i < kRows; ++i) {
+    update(best + i * kLanes, best_index + i * kLanes, sums[i][0], first, p.round_bf16);
+    update(best + i * kLanes + 8, best_index + i * kLanes + 8, sums[i][1], second, p.round_bf16);
+  }
+}
+
+// The best (value, index) of each row over vocabulary [begin, end) of one chunk.
 template <typename T>
 void best_of_chunk(const float* x, const T* w, const Problem& p, int64_t begin, int64_t end,
-                   Best& best) {
-  const int64_t grouped_end = begin + (end - begin) / kVocab * kVocab;
-  const int64_t tile = std::max<int64_t>(
-      kVocab, kTileBytes / (p.hidden_size * (int64_t)sizeof(T)) / kVocab * kVocab);
+                   float* out_value, int64_t* out_index) {
+  const int64_t n = p.hidden_size;
+  const int64_t paneled_end = begin + (end - begin) / kLanes * kLanes;
+  const int64_t tile = std::max<int64_t>(kLanes, kTileBytes / (n * 4) / kLanes * kLanes);
   const float lowest = -std::numeric_limits<float>::infinity();
-  std::vector<float> lane_best(p.num_pairs * 8, lowest);
-  std::vector<int32_t> lane_index(p.num_pairs * 8);
-  for (int64_t i = 0; i < p.num_pairs * 8; ++i) lane_index[i] = begin + i % kVocab;
-  const i8 lane_offset = {0, 1, 2, 3, 0, 1, 2, 3};
-  for (int64_t tile_begin = begin; tile_begin < grouped_end; tile_begin += tile) {
-    const int64_t tile_end = std::min(grouped_end, tile_begin + tile);
-    for (int64_t pair = 0; pair < p.num_pairs; ++pair) {
-      const float* x0 = x + 2 * pair * p.padded_size;
-      v8 top = *reinterpret_cast<const v8u*>(&lane_best[pair * 8]);
-      i8 top_index = *reinterpret_cast<const i8u*>(&lane_index[pair * 8]);
-      for (int64_t v = tile_begin; v < tile_end; v += kVocab) {
-        v8 logits = dots_2x4(x0, x0 + p.padded_size, w + v * p.hidden_size, p.hidden_size);
-        if (p.round_bf16) logits = round_to_bf16(logits);
-        const i8 take = (logits > top) | ((logits != logits) & (top == top));
-        top = take ? logits : top;
-        top_index = take ? (lane_offset + (int32_t)v) : top_index;
-      }
-      *reinterpret_cast<v8u*>(&lane_best[pair * 8]) = top;
-      *reinterpret_cast<i8u*>(&lane_index[pair * 8]) = top_index;
-    }
+  LaneBest lanes{std::vector<float>(p.padded_rows * kLanes, lowest),
+                 std::vector<int32_t>(p.padded_rows * kLanes)};
+  for (int64_t i = 0; i < p.padded_rows * kLanes; ++i) lanes.index[i] = begin + i % kLanes;
+  std::vector<float> panels(tile * n);
+  for (int64_t tile_begin = begin; tile_begin < paneled_end; tile_begin += tile) {
+    const int64_t num_panels = (std::min(paneled_end, tile_begin + tile) - tile_begin) / kLanes;
+    for (int64_t k = 0; k < num_panels; ++k)
+      pack_panel(w + (tile_begin + k * kLanes) * n, n, panels.data() + k * kLanes * n);
+    for (int64_t row = 0; row < p.padded_rows; row += kRows)
+      for (int64_t k = 0; k < num_panels; ++k)
+        rows_x_panel(x + row * n, panels.data() + k * kLanes * n, p,
+                     static_cast<int32_t>(tile_begin + k * kLanes), &lanes.value[row * kLanes],
+                     &lanes.index[row * kLanes]);
   }
   for (int64_t row = 0; row < p.num_rows; ++row) {
     float value = lowest;
     int64_t index = begin;
-    const int64_t first_lane = (row / 2) * 8 + (row % 2) * kVocab;
-    if (grouped_end > begin) {
-      for (int64_t lane = first_lane; lane < first_lane + kVocab; ++lane)
-        if (beats(lane_best[lane], lane_index[lane], value, index))
-          value = lane_best[lane], index = lane_index[lane];
+    if (paneled_end > begin) {
+      for (int64_t lane = row * kLanes; lane < (row + 1) * kLanes; ++lane)
+        if (beats(lanes.value[lane], lanes.index[lane], value, index))
+          value = lanes.value[lane], index = lanes.index[lane];
     }
-    const float* xr = x + row * p.padded_size;
-    for (int64_t v = grouped_end; v < end; ++v) {
+    for (int64_t v = paneled_end; v < end; ++v) {  // fewer than 16 leftover vocabulary rows
       float logit = 0.f;
-      for (int64_t h = 0; h < p.hidden_size; ++h) logit += xr[h] * to_float(w[v * p.hidden_size + h]);
+      for (int64_t h = 0; h < n; ++h) logit += x[row * n + h] * to_float(w[v * n + h]);
       if (p.round_bf16) logit = round_to_bf16(logit);
       if (beats(logit, v, value, index)) value = logit, index = v;
     }
-    best.value[row] = value;
-    best.index[row] = index;
+    out_value[row] = value;
+    out_index[row] = index;
   }
 }
 
 template <typename T>
 at::Tensor project(const at::Tensor& hidden, const at::Tensor& weight, bool round_bf16) {
-  const int64_t num_rows = hidden.size(0), hidden_size = hidden.size(1);
-  const int64_t padded_size = (hidden_size + 7) / 8 * 8, num_pairs = (num_rows + 1) / 2;
-  const Problem p{num_rows, num_pairs, hidden_size, padded_size, weight.size(0), round_bf16};
-  // x: [2 * num_pairs, padded_size] float32, zeros past each row and in a spare odd row
-  std::vector<float> x(2 * num_pairs * padded_size, 0.f);
-  const T* h_data = hidden.data_ptr<T>();
-  for (int64_t r = 0; r < num_rows; ++r)
-    for (int64_t h = 0; h < hidden_size; ++h)
-      x[r * padded_size + h] = to_float(h_data[r * hidden_size + h]);
+  const int64_t num_rows = hidden.size(0), n = hidden.size(1);
+  const int64_t padded_rows = (num_rows + kRows - 1) / kRows * kRows;
+  const Problem p{num_rows, padded_rows, n, weight.size(0), round_bf16};
+  std::vector<float> x(padded_rows * n, 0.f);  // [padded_rows, hidden] float32, zero rows after
+  const T* hidden_data = hidden.data_ptr<T>();
+  for (int64_t i = 0; i < num_rows * n; ++i) x[i] = to_float(hidden_data[i]);
   // one vocabulary chunk per thread, none under kMinChunk rows: small problems stay on the
   // calling thread
   const int64_t num_chunks = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), p.vocab_size / kMinChunk));
   const int64_t chunk = (p.vocab_size + num_chunks - 1) / num_chunks;
-  const int64_t chunk_size = (chunk + kVocab - 1) / kVocab * kVocab;
-  std::vector<Best> bests(num_chunks, Best{std::vector<float>(num_rows), std::vector<int64_t>(num_rows)});
+  const int64_t chunk_size = (chunk + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> values(num_chunks * num_rows);  // [num_chunks, num_rows]
+  std::vector<int64_t> indices(num_chunks * num_rows);
   const T* w = weight.data_ptr<T>();
   at::parallel_for(0, num_chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
       const int64_t begin = std::min(p.vocab_size, c * chunk_size);
       const int64_t end = c + 1 == num_chunks ? p.vocab_size : std::min(p.vocab_size, begin + chunk_size);
-      if (begin < end) best_of_chunk<T>(x.data(), w, p, begin, end, bests[c]);
+      best_of_chunk<T>(x.data(), w, p, begin, end, &values[c * num_rows], &indices[c * num_rows]);
     }
   });
   at::Tensor out = at::empty({num_rows}, hidden.options().dtype(at::kLong));
   int64_t* out_data = out.data_ptr<int64_t>();
   for (int64_t row = 0; row < num_rows; ++row) {
-    float value = bests[0].value[row];
-    int64_t index = bests[0].index[row];
+    float value = values[row];
+    int64_t index = indices[row];
     for (int64_t c = 1; c < num_chunks; ++c)
-      if (c * chunk_size < p.vocab_size && beats(bests[c].value[row], bests[c].index[row], value, index))
-        value = bests[c].value[row], index = bests[c].index[row];
+      if (c * chunk_size < p.vocab_size &&
+          beats(values[c * num_rows + row], indices[c * num_rows + row], value, index))
+        value = values[c * num_rows + row], index = indices[c * num_rows + row];
     out_data[row] = index;
   }
   return out;
