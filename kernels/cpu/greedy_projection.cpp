@@ -177,11 +177,20 @@ void best_of_chunk(const float* x, const T* w, const Problem& p, int64_t begin, 
     const int64_t num_panels = (std::min(paneled_end, tile_begin + tile) - tile_begin) / kLanes;
     for (int64_t k = 0; k < num_panels; ++k)
       pack_panel(w + (tile_begin + k * kLanes) * n, n, panels.data() + k * kLanes * n);
-    for (int64_t row = 0; row < p.padded_rows; row += kRows)
+    // the next tile's bytes come in from memory while this one is in use, a share per row group
+    const char* next = reinterpret_cast<const char*>(w + (tile_begin + tile) * n);
+    const int64_t next_bytes =
+        std::max<int64_t>(0, std::min(paneled_end - tile_begin - tile, tile)) * n * sizeof(T);
+    const int64_t num_groups = p.padded_rows / kRows;
+    const int64_t share = (next_bytes / 64 + num_groups - 1) / num_groups * 64;
+    for (int64_t row = 0; row < p.padded_rows; row += kRows) {
+      const int64_t from = row / kRows * share, to = std::min(next_bytes, from + share);
+      for (int64_t b = from; b < to; b += 64) __builtin_prefetch(next + b);
       for (int64_t k = 0; k < num_panels; ++k)
         rows_x_panel(x + row * n, panels.data() + k * kLanes * n, p,
                      static_cast<int32_t>(tile_begin + k * kLanes), &lanes.value[row * kLanes],
                      &lanes.index[row * kLanes]);
+    }
   }
   for (int64_t row = 0; row < p.num_rows; ++row) {
     float value = lowest;
