@@ -46,6 +46,16 @@ def native_ops():
     return getattr(torch.ops, LIBRARY)
 
 
+def greedy_projection_for(device: torch.device, dtype: torch.dtype):
+    """The native greedy projection, (hidden [rows, h], weight [vocab, h]) -> ids [rows] int64 as
+    torch.argmax(F.linear(hidden, weight), -1), where it runs: CPU, float32 or bfloat16, kernels
+    built. None elsewhere: then the logits are computed and sampled."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    ops = native_ops()
+    return None if ops is None else ops.greedy_projection
+
+
 def build(verbose: bool = False) -> Path:
     """Compile (once per key) and load the library into this process; returns its directory."""
     from torch.utils import cpp_extension
