@@ -161,3 +161,29 @@ def test_constrained_rows_add_at_most_the_bitmask_copy(engine, monkeypatch):
             assert set(recorder.calls) <= {"to in masks.py:result"}, recorder.calls
     assert requests[0].output_text.startswith("{")
     assert len(engine.structured.matchers) == 0
+
+
+def test_fused_greedy_steps_keep_one_copy_each_way(engine, monkeypatch):
+    """Steps whose rows are all plain greedy skip the logits (the native greedy projection on
+    CPU): still one staged copy in, one copy of the ids out, nothing else."""
+    model = engine.runner.model
+    fused, calls = model.greedy_projection, []
+    assert fused is not None, "the native greedy projection is not available"
+
+    def counted(hidden, weight):
+        calls.append(hidden.shape[0])
+        return fused(hidden, weight)
+
+    monkeypatch.setattr(model, "greedy_projection", counted)
+    recorder = SyncRecorder()
+    copies = count_step_copies(recorder, monkeypatch)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    requests = [engine.add_request([5, 6, 7] * (i + 1), params) for i in range(3)]
+    num_steps = 0
+    with recorder:
+        while engine.has_unfinished():
+            engine.step()
+            num_steps += 1
+            assert copies == {"to_device": num_steps, "to_host": num_steps}
+            assert recorder.calls == [], f"step {num_steps} syncs: {recorder.calls}"
+    assert len(calls) == num_steps and all(r.num_output_tokens == 4 for r in requests)
