@@ -131,7 +131,9 @@ def run_step_bench(model_dir: Path, args: argparse.Namespace) -> dict:
     fused = model.greedy_projection if args.sampling == "greedy" else None
     timers = _install_timers(engine.runner)
     modes = ("fused", "unfused") if fused is not None else ("unfused",)
-    progress(f"{args.num_steps} decode steps of {args.num_seqs} sequences, {' and '.join(modes)} ...")
+    progress(
+        f"{args.num_steps} decode steps of {args.num_seqs} sequences, {' and '.join(modes)} ..."
+    )
     samples: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     # The paths alternate in runs of RUN_LEN steps, the first of each run not counted: the noise
     # of a shared machine falls on both alike, and each path is measured in its steady state

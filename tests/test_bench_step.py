@@ -14,3 +14,11 @@ def test_bench_step_reports_its_figures(tmp_path):
     assert result["num_seqs"] == 4 and result["sampling"] == "random"
     assert 0 < result["logits_and_sampling_ms"] <= result["execute_ms"] <= result["step_ms"]
     assert isinstance(result["meets_target"], bool)
+
+
+def test_bench_step_reports_the_fused_and_the_logits_path_side_by_side(tmp_path):
+    args = argparse.Namespace(num_seqs=4, num_steps=2, sampling="greedy", dtype="float32")
+    result = run_step_bench(write_near_zero_model(tmp_path), args)
+    assert result["num_steps"] >= 2 and result["unfused"]["num_steps"] >= 2
+    assert 0 < result["logits_and_sampling_ms"] <= result["execute_ms"] <= result["step_ms"]
+    assert 0 < result["unfused"]["logits_and_sampling_ms"] <= result["unfused"]["step_ms"]

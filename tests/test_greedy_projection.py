@@ -57,13 +57,20 @@ def _check(op, x: torch.Tensor, w: torch.Tensor, max_disagreements: int = 0) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [1, 3, 128])
 @pytest.mark.parametrize("hidden_size,vocab_size", [(64, 49152), (576, 4099), (13, 1001), (72, 17)])
-def test_matches_torch_argmax_of_linear(greedy_projection, dtype, num_rows, hidden_size, vocab_size):
+def test_matches_torch_argmax_of_linear(
+    greedy_projection, dtype, num_rows, hidden_size, vocab_size
+):
     """Odd vocabularies (not a multiple of a panel or tile), hidden sizes not a multiple of 8."""
     generator = torch.Generator().manual_seed(num_rows * 1000 + hidden_size)
     x = torch.randn(num_rows, hidden_size, generator=generator).to(dtype)
     w = (torch.randn(vocab_size, hidden_size, generator=generator) * 0.5).to(dtype)
     # bfloat16 logits are coarse: their near-ties are frequent, each explained by the bound
-    _check(greedy_projection, x, w, max_disagreements=0 if dtype == torch.float32 else num_rows // 8 + 1)
+    _check(
+        greedy_projection,
+        x,
+        w,
+        max_disagreements=0 if dtype == torch.float32 else num_rows // 8 + 1,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

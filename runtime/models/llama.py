@@ -173,7 +173,9 @@ class LlamaForCausalLM(nn.Module):
         the greedy projection reads it)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(keep_weight=module is self.lm_head and self.greedy_projection is not None)
+                module.pack(
+                    keep_weight=module is self.lm_head and self.greedy_projection is not None
+                )
         if self.lm_head is None:
             self.packed_embedding = pack_weight(self.embed_tokens.weight)
 
