@@ -166,3 +166,32 @@ def test_engine_greedy_outputs_equal_with_and_without_it(tiny_model_dir):
     assert calls and max(calls) == 6
     model.greedy_projection = None
     assert generate() == with_kernel
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_loaded_model_greedy_tokens_are_the_argmax_of_its_logits(tmp_path, tied):
+    """Tied (the embedding) or untied (the lm_head keeps its plain weight beside the packed one
+    for the kernel): compute_greedy_tokens = compute_logits(...).argmax(-1)."""
+    from benchmarks.step import NEAR_ZERO, write_random_llama
+    from runtime.attention import AttentionBackend
+    from runtime.model_runner import load_model
+    from runtime.models.config import ModelConfig
+
+    config = dict(NEAR_ZERO, vocab_size=3001, tie_word_embeddings=tied)
+    model_dir = write_random_llama(tmp_path, config)
+    if not tied:  # an lm_head of its own, unlike the embedding
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(model_dir / "model.safetensors"))
+        weights["lm_head.weight"] = torch.randn(
+            3001, 64, generator=torch.Generator().manual_seed(1)
+        )
+        save_file(weights, str(model_dir / "model.safetensors"))
+    cpu = torch.device("cpu")
+    model = load_model(
+        model_dir, ModelConfig.from_dir(model_dir), torch.float32, cpu, AttentionBackend(cpu, 16)
+    )
+    assert model.greedy_projection is not None and (model.lm_head is None) == tied
+    hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
+    expected = model.compute_logits(hidden).argmax(-1)
+    assert torch.equal(model.compute_greedy_tokens(hidden), expected)
