@@ -53,6 +53,15 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32")
     add_common_args(p)
     p.set_defaults(func=cmd_step, num_threads=1)
+    p = sub.add_parser(
+        "projection", help="the fused greedy projection alone vs packed projection + argmax"
+    )
+    p.add_argument("--num-rows", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--hidden-sizes", type=int, nargs="+", default=[64, 576])
+    p.add_argument("--repeats", type=int, default=30)
+    add_common_args(p)
+    p.set_defaults(func=cmd_projection, num_threads=1)
 
 
 def cmd_step(args: argparse.Namespace) -> int:
@@ -62,6 +71,50 @@ def cmd_step(args: argparse.Namespace) -> int:
     print(json.dumps(result, indent=2))
     save_result(args.save_result, result)
     return 0
+
+
+def cmd_projection(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.num_threads or 1)
+    result = {"num_threads": torch.get_num_threads(), "cpu": _cpu_name(), "by_hidden_size": {}}
+    for hidden_size in args.hidden_sizes:
+        progress(f"{args.num_rows} x {hidden_size} x {args.vocab_size}, {args.repeats} repeats ...")
+        figures = run_projection_bench(args.num_rows, hidden_size, args.vocab_size, args.repeats)
+        result["by_hidden_size"][hidden_size] = figures
+    print(json.dumps(result, indent=2))
+    save_result(args.save_result, result)
+    return 0
+
+
+def run_projection_bench(num_rows: int, hidden_size: int, vocab_size: int, repeats: int) -> dict:
+    """Medians in ms of the fused greedy projection, the packed oneDNN projection + the blocked
+    argmax (the logits path on CPU float32), and the packed projection alone, taken in turn."""
+    from kernels import native
+    from runtime.models.llama import pack_weight, packed_linear
+    from runtime.sampling_ops import argmax
+
+    fused = native.greedy_projection_for(torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(num_rows, hidden_size, generator=gen)
+    weight = torch.randn(vocab_size, hidden_size, generator=gen) * 0.5
+    packed = pack_weight(weight)
+    paths = {
+        "packed_and_argmax_ms": lambda: argmax(packed_linear(hidden, packed, None)),
+        "packed_alone_ms": lambda: packed_linear(hidden, packed, None),
+    }
+    if fused is not None:
+        paths["fused_ms"] = lambda: fused(hidden, weight)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, run in paths.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    figures = {name: round(1e3 * statistics.median(t), 2) for name, t in times.items()}
+    if fused is not None:
+        figures["fused_over_unfused"] = round(
+            figures["fused_ms"] / figures["packed_and_argmax_ms"], 2
+        )
+    return figures
 
 
 def write_near_zero_model(path: Path) -> Path:

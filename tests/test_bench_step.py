@@ -27,3 +27,11 @@ def test_bench_step_reports_the_fused_and_the_logits_path_side_by_side(tmp_path)
     assert result["num_steps"] >= 2 and result["unfused"]["num_steps"] >= 2
     assert 0 < result["logits_and_sampling_ms"] <= result["execute_ms"] <= result["step_ms"]
     assert 0 < result["unfused"]["logits_and_sampling_ms"] <= result["unfused"]["step_ms"]
+
+
+def test_bench_projection_reports_each_path():
+    from benchmarks.step import run_projection_bench
+
+    figures = run_projection_bench(num_rows=3, hidden_size=16, vocab_size=500, repeats=2)
+    assert figures["packed_and_argmax_ms"] > 0 and figures["packed_alone_ms"] > 0
+    assert (native.native_ops() is None) == ("fused_ms" not in figures)
