@@ -4,7 +4,7 @@ The runs live beside this file: offline.py (throughput against transformers), pr
 (latency under load, preemption, tenant fair share), serve.py (load over HTTP on any
 OpenAI-compatible server), overhead.py (what the HTTP path adds to TTFT), gpu.py (Triton
 kernels against their references, on a CUDA machine), step.py (the host cost of a decode
-step on a near-zero model) and structured.py (constrained against free output tok/s).
+step on a near-zero model; `bench projection`, the greedy projection alone) and structured.py (constrained against free output tok/s).
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "cpu" / "paged_decode.cpp",)
+SOURCES = tuple(
+    Path(__file__).parent / "cpu" / name for name in ("paged_decode.cpp", "greedy_projection.cpp")
+)
 LIBRARY = "conveyor_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 
@@ -42,6 +44,16 @@ def native_ops():
         log.warning("native CPU kernels unavailable (%s); using the torch references", error)
         return None
     return getattr(torch.ops, LIBRARY)
+
+
+def greedy_projection_for(device: torch.device, dtype: torch.dtype):
+    """The native greedy projection, (hidden [rows, h], weight [vocab, h]) -> ids [rows] int64 as
+    torch.argmax(F.linear(hidden, weight), -1), where it runs: CPU, float32 or bfloat16, kernels
+    built. None elsewhere: then the logits are computed and sampled."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    ops = native_ops()
+    return None if ops is None else ops.greedy_projection
 
 
 def build(verbose: bool = False) -> Path:

@@ -275,3 +275,10 @@ def rotary_embedding(
     k: [num_tokens, num_kv_heads, head_dim], cos_sin_cache: [max_position, head_dim] float32
     holding cos in the first half and sin in the second."""
     return rotary_with_plan(q, k, prepare_rotary(positions, cos_sin_cache, q.dtype))
+
+
+def greedy_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden: [num_rows, hidden_size], weight: [vocab, hidden_size] -> [num_rows] int64, the
+    first index of each row's largest logit, the logits in hidden's dtype (as the model's
+    compute_logits returns them before the sampler widens them)."""
+    return F.linear(hidden, weight).float().argmax(dim=-1)

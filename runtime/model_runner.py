@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels import native
 from runtime.attention import AttentionBackend, ForwardContext
 from runtime.config import EngineConfig
 from runtime.input_batch import InputBatch
@@ -44,6 +45,7 @@ def load_model(model_dir: Path, config: ModelConfig, dtype, device, backend) -> 
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(_read_safetensors(model_dir))
     model.cos_sin_cache = rope_cos_sin_cache(config, config.max_position_embeddings).to(device)
+    model.greedy_projection = native.greedy_projection_for(torch.device(device), dtype)
     if can_pack(device, dtype):
         model.pack_linears()
     return model.eval()
@@ -157,13 +159,27 @@ class ModelRunner:
         hidden = self._forward(inputs)  # [num_tokens, hidden]
         if not host.sample_requests:
             return LaunchedStep(host, None)
-        logits = self.model.compute_logits(hidden[inputs.sample_index])  # only rows that sample
-        result = self._sample(logits, host, inputs, mask)
+        rows = hidden[inputs.sample_index]  # [num_samples, hidden]: only rows that sample
+        if self._can_project_greedy(host, mask):
+            result = self.model.compute_greedy_tokens(rows)
+        else:
+            result = self._sample(self.model.compute_logits(rows), host, inputs, mask)
         return LaunchedStep(
             host,
             copy_to_host(result),
             token_ids=sampled_token_ids(result),
             needs_host_tokens=mask is not None or host.sampling.has_penalties,
+        )
+
+    def _can_project_greedy(self, host: HostStep, mask) -> bool:
+        """Every sampling row plain greedy, no logprobs, no grammar mask: the argmax of the logits
+        is all the step needs, and the model finds it without writing them (native, CPU)."""
+        plan = host.sampling
+        return (
+            self.model.greedy_projection is not None
+            and mask is None
+            and plan.is_plain_greedy
+            and plan.max_top_n is None
         )
 
     def _start_grammar_masks(self, host: HostStep):

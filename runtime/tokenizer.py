@@ -189,7 +189,7 @@ class IncrementalDetokenizer:
 
     def _emit(self, new_text: str, final: bool) -> str:
         """Search stop strings in the held text plus new_text; emit what is safe."""
-        if not self.stop:
+        if not self.stop:  # nothing is ever held back (a step per sampled token: keep it short)
             self.text += new_text
             return new_text
         self.pending += new_text

@@ -31,7 +31,7 @@ def _decode_case(num_seqs, num_heads, num_kv_heads, head_dim, dtype, max_len, ge
 
 
 @pytest.mark.parametrize(
-    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 16), (2, 1, 8)]
+    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 16), (2, 1, 8), (3, 1, 12)]
 )
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 def test_paged_decode_matches_reference(ops, num_heads, num_kv_heads, head_dim, dtype, atol):
@@ -41,6 +41,14 @@ def test_paged_decode_matches_reference(ops, num_heads, num_kv_heads, head_dim, 
     out = ops.paged_attention_decode(*case, head_dim**-0.5)
     assert out.dtype == dtype and out.shape == expected.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
+def test_paged_decode_matches_reference_on_sharp_scores(ops):
+    """Scores hundreds apart: the weights of all but the best keys underflow to zero."""
+    generator = torch.Generator().manual_seed(11)
+    case = _decode_case(5, 4, 2, 16, torch.float32, 70, generator)
+    expected = reference.paged_attention_decode(*case, scale=40.0)
+    torch.testing.assert_close(ops.paged_attention_decode(*case, 40.0), expected, atol=2e-5, rtol=0)
 
 
 def test_paged_decode_reads_only_the_table_entries_in_use(ops):

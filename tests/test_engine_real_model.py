@@ -71,12 +71,13 @@ def test_logits_match_transformers(engine, hf_model, prompts):
 
     runner: ModelRunner = engine.runner
     captured = []
-    original = runner.model.compute_logits
+    original, fused = runner.model.compute_logits, runner.model.greedy_projection
     runner.model.compute_logits = lambda h: captured.append(original(h)) or captured[-1]
+    runner.model.greedy_projection = None  # greedy steps compute their logits here
     try:
         requests = engine.generate([prompts[1], prompts[6]], greedy(4))
     finally:
-        runner.model.compute_logits = original
+        runner.model.compute_logits, runner.model.greedy_projection = original, fused
     for slot, (prompt, request) in enumerate(zip([prompts[1], prompts[6]], requests)):
         ids = torch.tensor([prompt + request.output_token_ids[:-1]])
         with torch.no_grad():

@@ -151,6 +151,32 @@ def test_async_scheduling_keeps_one_copy_each_way(engine, monkeypatch):
     assert all(r.num_output_tokens == 6 for r in requests)
 
 
+def test_fused_greedy_steps_keep_one_copy_each_way(engine, monkeypatch):
+    """Steps whose rows are all plain greedy skip the logits (the native greedy projection on
+    CPU): still one staged copy in, one copy of the ids out, nothing else."""
+    model = engine.runner.model
+    fused, calls = model.greedy_projection, []
+    assert fused is not None, "the native greedy projection is not available"
+
+    def counted(hidden, weight):
+        calls.append(hidden.shape[0])
+        return fused(hidden, weight)
+
+    monkeypatch.setattr(model, "greedy_projection", counted)
+    recorder = SyncRecorder()
+    copies = count_step_copies(recorder, monkeypatch)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    requests = [engine.add_request([5, 6, 7] * (i + 1), params) for i in range(3)]
+    num_steps = 0
+    with recorder:
+        while engine.has_unfinished():
+            engine.step()
+            num_steps += 1
+            assert copies == {"to_device": num_steps, "to_host": num_steps}
+            assert recorder.calls == [], f"step {num_steps} syncs: {recorder.calls}"
+    assert len(calls) == num_steps and all(r.num_output_tokens == 4 for r in requests)
+
+
 def test_the_recorder_catches_a_sync(engine, monkeypatch):
     """The check above is real: the CPU path's attention planning reads lengths on the host
     (free on a CPU, a sync on a GPU), and the recorder sees it."""

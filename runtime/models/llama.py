@@ -24,9 +24,10 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
-    def pack(self) -> None:
+    def pack(self, keep_weight: bool = False) -> None:
         self.packed = pack_weight(self.weight)
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)  # now unused
+        if not keep_weight:  # now unused
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -137,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
         self.packed_embedding: torch.Tensor | None = None  # tied lm_head, when packed
+        # (hidden, weight) -> ids: argmax over the vocabulary without the logits (native, CPU)
+        self.greedy_projection = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -158,12 +161,21 @@ class LlamaForCausalLM(nn.Module):
             return packed_linear(hidden, self.packed_embedding, None).float()
         return F.linear(hidden, self.embed_tokens.weight).float()
 
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_seqs, hidden] -> [num_seqs] int64, the first index of each row's largest
+        logit, as compute_logits(hidden).argmax(-1) but without writing the logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.greedy_projection(hidden, weight)  # weight: [vocab, hidden], row-major
+
     def pack_linears(self) -> None:
         """After loading, on CPU in float32: every projection and the lm_head run on packed
-        weights (the embedding keeps its plain copy for lookups)."""
+        weights (the embedding keeps its plain copy for lookups; so does an untied lm_head where
+        the greedy projection reads it)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(
+                    keep_weight=module is self.lm_head and self.greedy_projection is not None
+                )
         if self.lm_head is None:
             self.packed_embedding = pack_weight(self.embed_tokens.weight)
 
