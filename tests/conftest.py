@@ -63,3 +63,17 @@ def tiny_model_dir(tmp_path_factory):
     from benchmarks.step import write_random_llama
 
     return write_random_llama(tmp_path_factory.mktemp("tiny-llama"), TINY_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def batch_invariant_kernels() -> None:
+    """For tests that run the same requests under two schedules and want the same tokens: a
+    row's result must not depend on the rest of its batch. The native CPU kernels give that;
+    the torch reference's decode attention pads each length group of a batch, so its rounding
+    (and a seeded sample near a tie) follows the batch."""
+    from kernels import native
+
+    assert native.native_ops() is not None, (
+        "this test needs the native CPU kernels (`make install` builds them; "
+        "CONVEYOR_NATIVE_KERNELS=0 turns them off)"
+    )

@@ -75,7 +75,7 @@ def count_pending_launches(engine: Engine) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir) -> dict[str, Engine]:
+def engines(tiny_model_dir, batch_invariant_kernels) -> dict[str, Engine]:
     return {mode: make_engine(tiny_model_dir, mode) for mode in ("off", "on")}
 
 

@@ -165,7 +165,7 @@ def _summary(outputs):
     ]
 
 
-def test_async_output_gives_the_same_outputs(tiny_model_dir):
+def test_async_output_gives_the_same_outputs(tiny_model_dir, batch_invariant_kernels):
     """Outputs built one step late (while the next step runs) are the outputs built at once:
     tokens, text, stop strings (the extra token scheduled is dropped), seeds, max_tokens, an
     abort between steps (no output after its final one), and every block freed."""
