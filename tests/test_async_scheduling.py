@@ -1,6 +1,7 @@
-"""Async scheduling (the host a step ahead of the device) gives the synchronous loop's outputs:
-tokens, text, finish reasons, logprobs, seeds, stops of every kind, aborts, preemption, and the
-steps that must land first (penalties, grammars). Tiny random model, float32, CPU."""
+"""Async scheduling (the host a step ahead of the device) and async output (a step's outputs
+built during the next) give the synchronous loop's outputs: tokens, text, finish reasons,
+logprobs, seeds, stops of every kind, aborts, preemption, and the steps that must land first
+(penalties, grammars). Tiny random model, float32, CPU."""
 
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def run(engine: Engine, prompts, params, abort_after: dict[int, int] = ()):
         for index, step in dict(abort_after).items():
             if step == num_steps and (output := engine.abort(requests[index].request_id)):
                 seen[output.request_id].append(output)
-    assert blocks_in_use(engine) == 0 and engine.in_flight is None
+    assert blocks_in_use(engine) == 0 and engine.in_flight is None and engine.unbuilt is None
+    for per in seen.values():
+        assert [o.finished for o in per].count(True) == 1 and per[-1].finished
     return [seen[r.request_id] for r in requests]
 
 
@@ -174,3 +177,30 @@ def test_grammar_and_penalty_steps_land_before_the_next(engines):
     ]
     results = {mode: run(engine, PROMPTS[:3], params) for mode, engine in engines.items()}
     assert summary(results["on"]) == summary(results["off"])
+
+
+def test_async_output_gives_the_same_outputs(tiny_model_dir, engines):
+    """Outputs built one step late (while the next step runs) are the outputs built at once:
+    tokens, text, stop strings (the extra token scheduled is dropped), seeds, max_tokens, an
+    abort between steps (no output after its final one), and every block freed."""
+    late = make_engine(tiny_model_dir, "off", async_output="on")
+    assert late.async_output and not engines["off"].async_output
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    text = "".join(o.new_text for o in run(engines["off"], PROMPTS[1:2], [seeded])[0])
+    assert len(text) >= 6, "the sampled text is too short to pick a stop string from"
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = [
+        plain,
+        replace(seeded, stop=[text[3:6]]),
+        SamplingParams(max_tokens=9, temperature=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),
+        plain,
+        SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+    ]
+    results = {
+        mode: run(engine, PROMPTS[:6], params, abort_after={4: 3})
+        for mode, engine in (("off", engines["off"]), ("late", late))
+    }
+    assert summary(results["late"]) == summary(results["off"])
+    assert results["late"][1][-1].finish_reason == "stop"
+    assert results["late"][4][-1].finish_reason == "abort"

@@ -104,19 +104,28 @@ def count_step_copies(recorder: SyncRecorder, monkeypatch) -> dict[str, int]:
     return copies
 
 
+def run_checked(engine, recorder, copies, allowed=frozenset(), before_step=None) -> int:
+    """Steps the engine to the end, checking each step: one copy each way and no syncing call
+    but those `allowed`. Returns the number of steps."""
+    num_steps = 0
+    with recorder:
+        while engine.has_unfinished():
+            if before_step is not None:
+                before_step(num_steps)
+            engine.step()
+            num_steps += 1
+            assert copies == {"to_device": num_steps, "to_host": num_steps}
+            assert set(recorder.calls) <= allowed, f"step {num_steps} syncs: {recorder.calls}"
+    return num_steps
+
+
 def test_one_copy_each_way_and_no_other_sync_per_step(engine, monkeypatch):
     recorder = SyncRecorder()
     copies = count_step_copies(recorder, monkeypatch)
 
     prompts = [[5, 6, 7, 8] * k for k in range(1, 5)]
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts, mixed_params())]
-    num_steps = 0
-    with recorder:
-        while engine.has_unfinished():
-            engine.step()
-            num_steps += 1
-            assert copies == {"to_device": num_steps, "to_host": num_steps}
-            assert recorder.calls == [], f"step {num_steps} syncs: {recorder.calls}"
+    num_steps = run_checked(engine, recorder, copies)
     assert all(r.num_output_tokens == 6 for r in requests)
     assert requests[2].output_token_ids and num_steps >= 6
 
@@ -167,13 +176,7 @@ def test_fused_greedy_steps_keep_one_copy_each_way(engine, monkeypatch):
     copies = count_step_copies(recorder, monkeypatch)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     requests = [engine.add_request([5, 6, 7] * (i + 1), params) for i in range(3)]
-    num_steps = 0
-    with recorder:
-        while engine.has_unfinished():
-            engine.step()
-            num_steps += 1
-            assert copies == {"to_device": num_steps, "to_host": num_steps}
-            assert recorder.calls == [], f"step {num_steps} syncs: {recorder.calls}"
+    num_steps = run_checked(engine, recorder, copies)
     assert len(calls) == num_steps and all(r.num_output_tokens == 4 for r in requests)
 
 
@@ -208,13 +211,7 @@ def test_constrained_rows_add_at_most_the_bitmask_copy(engine, monkeypatch):
         SamplingParams(max_tokens=5, temperature=0.8, seed=1, grammar=json_object),
     ]
     requests = [engine.add_request([5, 6, 7] * (i + 1), p) for i, p in enumerate(params)]
-    num_steps = 0
-    with recorder:
-        while engine.has_unfinished():
-            engine.step()
-            num_steps += 1
-            assert copies == {"to_device": num_steps, "to_host": num_steps}
-            assert set(recorder.calls) <= {"to in masks.py:result"}, recorder.calls
+    run_checked(engine, recorder, copies, allowed={"to in masks.py:result"})
     assert requests[0].output_text.startswith("{")
     assert len(engine.structured.matchers) == 0
 
@@ -241,15 +238,12 @@ def test_padded_graph_inputs_add_no_sync(engine, monkeypatch):
     copies = count_step_copies(recorder, monkeypatch)
     params = mixed_params()
     requests = [engine.add_request([5, 6, 7, 8] * (k + 1), params[k]) for k in range(2)]
-    num_steps = 0
-    with recorder:
-        while engine.has_unfinished():
-            if num_steps == 2:  # a prompt joins running decodes: a mixed step
-                requests.append(engine.add_request([9, 8, 7] * 5, params[2]))
-            engine.step()
-            num_steps += 1
-            assert copies == {"to_device": num_steps, "to_host": num_steps}
-            assert recorder.calls == [], f"step {num_steps} syncs: {recorder.calls}"
+
+    def join_at_step_two(num_steps: int) -> None:  # a prompt joins running decodes: mixed
+        if num_steps == 2:
+            requests.append(engine.add_request([9, 8, 7] * 5, params[2]))
+
+    num_steps = run_checked(engine, recorder, copies, before_step=join_at_step_two)
     assert all(r.num_output_tokens == 6 for r in requests)
     assert used.count("mixed") == 2 and "decode" in used, used
     assert len(used) == num_steps  # every step replayed a graph
