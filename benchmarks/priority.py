@@ -262,7 +262,7 @@ def run_fairness_phase(engine, args, rng, weights: tuple[float, float]) -> dict:
         for tenant, weight, output_len in zip(tenants, weights, pair)  # interleaved arrivals
     ]
     trace = drive(engine, arrivals, stop=lambda e, t, now: not both_backlogged(e, tenants))
-    served = {t: engine.scheduler.tenant_service[t] * w for t, w in zip(tenants, weights)}
+    served = {t: engine.scheduler.order.tenant_service[t] * w for t, w in zip(tenants, weights)}
     end_phase(engine)
     return fairness_summary(trace, tenants, weights, served)
 

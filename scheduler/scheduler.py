@@ -10,12 +10,12 @@ running requests; a running request that cannot grow preempts the least urgent o
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 from scheduler import events as ev
 from scheduler.block_manager import BlockManager
 from scheduler.config import BATCH_POLICIES, PreemptionCostModel, SchedulerConfig, SchedulerOutput
+from scheduler.ordering import LineOrder
 from scheduler.request import Request, RequestStatus
 
 
@@ -35,43 +35,15 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
-        self.tenant_service: dict[str, float] = defaultdict(float)  # weighted tokens served
+        self.order = LineOrder(config)
         self.num_preemptions = {"swap": 0, "recompute": 0}
-
-    # ---- ordering ---------------------------------------------------------------------------
-    def effective_priority(self, request: Request, now: float) -> int:
-        """With aging, a waiting request gains a level per `priority_aging_s` since it arrived;
-        a running one keeps the level it was admitted at."""
-        aging = self.config.priority_aging_s
-        if not aging or self.config.policy != "priority":
-            return request.priority
-        if request.status is RequestStatus.RUNNING and request.admitted_priority is not None:
-            return request.admitted_priority
-        return request.priority - int((now - request.arrival_time) / aging)
-
-    def urgency(self, request: Request, now: float) -> tuple:
-        """Smaller is more urgent; the largest is the first preemption victim."""
-        if self.config.policy == "priority":
-            return (self.effective_priority(request, now), request.arrival_time, request.seq)
-        return (request.arrival_time, request.seq)
-
-    def line_key(self, request: Request, now: float) -> tuple:
-        if self.config.policy != "priority":
-            return (request.arrival_time, request.seq)
-        service = self.tenant_service[request.tenant]
-        return (self.effective_priority(request, now), service, request.arrival_time, request.seq)
-
-    def more_urgent(self, request: Request, than: Request, now: float) -> bool:
-        if self.config.policy != "priority":
-            return False
-        return self.effective_priority(request, now) < self.effective_priority(than, now)
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self._start_fair_share(request.tenant)
+        self.order.start_fair_share(request.tenant, (r.tenant for r in self.requests.values()))
         now = self.clock()
-        key = self.line_key(request, now)
-        ahead = [r for r in self.waiting + self.swapped if self.line_key(r, now) < key]
+        key = self.order.line_key(request, now)
+        ahead = [r for r in self.waiting + self.swapped if self.order.line_key(r, now) < key]
         self.requests[request.request_id] = request
         self.waiting.append(request)
         ev.emit(
@@ -94,16 +66,6 @@ class Scheduler:
                 batch_size=self.config.max_num_seqs,
                 window_s=self.config.batch_window_s,
             )
-
-    def _start_fair_share(self, tenant: str) -> None:
-        """A tenant new to the line starts at the current minimum, so it cannot bank credit."""
-        if tenant in self.tenant_service:
-            return
-        active = {r.tenant for r in self.requests.values()}
-        floor = min(
-            (self.tenant_service[t] for t in active if t in self.tenant_service), default=0.0
-        )
-        self.tenant_service[tenant] = floor
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -159,7 +121,7 @@ class Scheduler:
         return self.seconds_until_batch(self.clock())
 
     def _schedule_running(self, out: SchedulerOutput, now: float) -> None:
-        for request in sorted(self.running, key=lambda r: self.urgency(r, now)):
+        for request in sorted(self.running, key=lambda r: self.order.urgency(r, now)):
             if request.status is not RequestStatus.RUNNING or out.budget == 0:
                 continue
             if self._ends_with_pending_token(request):
@@ -202,10 +164,10 @@ class Scheduler:
     def _least_urgent_unscheduled(self, out: SchedulerOutput, now: float) -> Request:
         scheduled = {id(r) for r, _ in out.scheduled}
         candidates = [r for r in self.running if id(r) not in scheduled]
-        return max(candidates, key=lambda r: self.urgency(r, now))
+        return max(candidates, key=lambda r: self.order.urgency(r, now))
 
     def _schedule_line(self, out: SchedulerOutput, now: float) -> None:
-        line = sorted(self.waiting + self.swapped, key=lambda r: self.line_key(r, now))
+        line = sorted(self.waiting + self.swapped, key=lambda r: self.order.line_key(r, now))
         for index in range(len(line)):
             request = line[index]
             if out.budget == 0:
@@ -221,7 +183,9 @@ class Scheduler:
             blocker = self._preempted_ahead_of(request, out, now)
             if blocker is None and self._admit(request, out, now):
                 # the admitted tenant was just charged: the others may now come first
-                line[index + 1 :] = sorted(line[index + 1 :], key=lambda r: self.line_key(r, now))
+                line[index + 1 :] = sorted(
+                    line[index + 1 :], key=lambda r: self.order.line_key(r, now)
+                )
                 continue
             blocker = blocker or request
             for behind in line[index + (blocker is request) :]:
@@ -239,8 +203,8 @@ class Scheduler:
         self, request: Request, out: SchedulerOutput, now: float
     ) -> Request | None:
         """A request preempted this step keeps its place: nobody behind it gets in now."""
-        key = self.line_key(request, now)
-        return next((r for r in out.preempted if self.line_key(r, now) <= key), None)
+        key = self.order.line_key(request, now)
+        return next((r for r in out.preempted if self.order.line_key(r, now) <= key), None)
 
     def _admit(self, request: Request, out: SchedulerOutput, now: float) -> bool:
         if not self._make_room_for_slot(request, out, now):
@@ -322,8 +286,8 @@ class Scheduler:
     def _preempt_less_urgent(self, request: Request, out: SchedulerOutput, now: float) -> bool:
         if not self.running:
             return False
-        victim = max(self.running, key=lambda r: self.urgency(r, now))
-        if not self.more_urgent(request, victim, now):
+        victim = max(self.running, key=lambda r: self.order.urgency(r, now))
+        if not self.order.more_urgent(request, victim, now):
             return False
         self._unschedule(out, victim)
         self._preempt(victim, by=request, out=out, now=now)
@@ -334,7 +298,7 @@ class Scheduler:
             if request is victim:
                 del out.scheduled[i]
                 out.budget += num_tokens
-                self.tenant_service[victim.tenant] -= num_tokens / victim.weight
+                self.order.charge(victim, -num_tokens)
                 return
 
     # ---- preemption -------------------------------------------------------------------------
@@ -390,7 +354,7 @@ class Scheduler:
             )
         if request.preempted_mode is not None:
             ev.emit(request, ev.RESUMED, now, mode=request.preempted_mode)
-        request.admitted_priority = self.effective_priority(request, now)
+        request.admitted_priority = self.order.effective_priority(request, now)
         request.preempted_mode = None
         request.wait_reason = None
         request.status = RequestStatus.RUNNING
@@ -402,7 +366,7 @@ class Scheduler:
         out.scheduled.append((request, num_new))
         out.budget -= num_new
         # charged now, not after the step, so that the rest of this step's line sees it
-        self.tenant_service[request.tenant] += num_new / request.weight
+        self.order.charge(request, num_new)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
             ev.emit(

@@ -172,8 +172,8 @@ def test_aging_lets_an_old_low_priority_request_overtake():
     old = add(s, "old-low", 5, now=0.0)
     clock.now = 100.0  # ten levels of aging: effective priority -5
     fresh = add(s, "fresh-high", 1)
-    line = sorted(s.waiting, key=lambda r: s.line_key(r, clock.now))
-    assert line[0] is old and s.effective_priority(old, clock.now) == -5
+    line = sorted(s.waiting, key=lambda r: s.order.line_key(r, clock.now))
+    assert line[0] is old and s.order.effective_priority(old, clock.now) == -5
     out = step(s)
     assert old.status is RequestStatus.RUNNING and fresh.status is RequestStatus.WAITING
     assert out.preempted[0].request_id == "busy"

@@ -197,4 +197,4 @@ def test_one_step_shares_its_admissions_between_tenants():
             )
     out = scheduler.schedule()
     assert [r.tenant for r, _ in out.scheduled] == ["a", "b", "a", "b"]
-    assert scheduler.tenant_service["a"] == scheduler.tenant_service["b"] == 32
+    assert scheduler.order.tenant_service["a"] == scheduler.order.tenant_service["b"] == 32
