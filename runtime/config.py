@@ -101,14 +101,15 @@ class EngineConfig(BaseModel):
         return torch.device(self.device)
 
     def resolved_async_output(self) -> bool:
-        if self.async_output == "auto":
-            return self.resolved_device().type == "cuda"
-        return self.async_output == "on"
+        return self._on_or_auto_on_cuda(self.async_output)
 
     def resolved_async_scheduling(self) -> bool:
-        if self.async_scheduling == "auto":
+        return self._on_or_auto_on_cuda(self.async_scheduling)
+
+    def _on_or_auto_on_cuda(self, setting: str) -> bool:
+        if setting == "auto":
             return self.resolved_device().type == "cuda"
-        return self.async_scheduling == "on"
+        return setting == "on"
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

@@ -142,8 +142,6 @@ class IncrementalDetokenizer:
         """The new text that is safe to emit now ('' once a stop string was hit)."""
         if self.stop_hit is not None:
             return ""
-        if len(new_token_ids) == 1:
-            return self._emit(self._read_token(new_token_ids[0]), final=False)
         return self._emit("".join(map(self._read_token, new_token_ids)), final=False)
 
     def flush(self) -> str:

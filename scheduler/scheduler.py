@@ -140,12 +140,14 @@ class Scheduler:
 
     def _ends_with_pending_token(self, request: Request) -> bool:
         """Async scheduling: the token in flight is the request's last by length."""
-        if not request.num_pending_tokens:
-            return False
-        num_output = request.num_output_tokens + request.num_pending_tokens
+        pending = request.num_pending_tokens
+        return pending > 0 and self._reaches_length(request, num_ahead=pending)
+
+    def _reaches_length(self, request: Request, num_ahead: int = 0) -> bool:
+        """At max_tokens or the model's length, counting num_ahead tokens not appended yet."""
         return (
-            num_output >= request.sampling_params.max_tokens
-            or request.num_tokens_with_pending >= self.config.max_model_len
+            request.num_output_tokens + num_ahead >= request.sampling_params.max_tokens
+            or request.num_tokens + num_ahead >= self.config.max_model_len
         )
 
     def _exceeds_cache(self, request: Request, num_new: int) -> bool:
@@ -419,9 +421,7 @@ class Scheduler:
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if self._reaches_length(request):
             return RequestStatus.FINISHED_LENGTH
         return None
 
