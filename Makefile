@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 
 # convert the bundled GGUF once into ~/.cache/conveyor/models (safetensors)
 model:
-	$(PY) -c "from runtime.model_loader import resolve_model; print(resolve_model(None))"
+	$(PY) -c "from runtime.models.loader import resolve_model; print(resolve_model(None))"
 
 # PostgreSQL and Redis for the real-service tests: start them if they are down
 services:

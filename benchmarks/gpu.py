@@ -157,7 +157,7 @@ def check_decode_graph(kernels, num_heads, num_kv_heads, head_dim) -> float:
 
 
 def check_mixed_graph(kernels, num_heads, num_kv_heads, head_dim) -> float:
-    """A mixed step's attention as runtime.cuda_graphs.MixedGraphs captures it: all prefill
+    """A mixed step's attention as runtime.step.cuda_graphs.MixedGraphs captures it: all prefill
     (decodes as one-query chunks) over static buffers padded to 256 tokens and 8 sequence rows,
     the padding tokens owned by a sequence of length 0. Captured on one step's contents,
     replayed on another's (more sequences, fewer tokens); padding must give zeros. Without a

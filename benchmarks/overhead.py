@@ -253,7 +253,7 @@ async def send_direct(engine, args, request: BenchRequest) -> RequestResult:
 
 
 def overhead_result(args, config, pairs: list[tuple]) -> dict[str, Any]:
-    from runtime.model_loader import served_model_name
+    from runtime.models.loader import served_model_name
 
     percentiles = percentiles_of(args.metric_percentiles)
     ok = [(h, d) for h, d in pairs if h.success and d.success]

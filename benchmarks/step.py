@@ -90,7 +90,7 @@ def run_projection_bench(num_rows: int, hidden_size: int, vocab_size: int, repea
     argmax (the logits path on CPU float32), and the packed projection alone, taken in turn."""
     from kernels import native
     from runtime.models.llama import pack_weight, packed_linear
-    from runtime.sampling_ops import argmax
+    from runtime.sampling.ops import argmax
 
     fused = native.greedy_projection_for(torch.device("cpu"), torch.float32)
     gen = torch.Generator().manual_seed(0)
@@ -126,7 +126,7 @@ def write_random_llama(path: Path, config: dict) -> Path:
     `path`: the near-zero model here, the tests' tiny model (tests/conftest.py)."""
     from safetensors.torch import save_file
 
-    from runtime.model_loader import resolve_model
+    from runtime.models.loader import resolve_model
 
     c = config
     gen = torch.Generator().manual_seed(0)

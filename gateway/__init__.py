@@ -7,5 +7,5 @@ API), `tenancy/` (keys, tenants, limits, admission), `audit/` (records, writer, 
 queries, retention) and `admin/` (REST and CLI). The engine is reached only through
 `runtime.engine_client.EngineClient`; no model code runs on the event loop.
 
-Must not import: benchmarks, kernels, runtime.model_runner, runtime.sampler, runtime.attention
+Must not import: benchmarks, kernels, runtime.step.model_runner, runtime.sampling.sampler, runtime.models.attention
 """

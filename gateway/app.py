@@ -181,7 +181,7 @@ async def create_demo_tenant_if_none(app: web.Application) -> str | None:
 
 
 def print_demo_instructions(settings: ServeSettings, plaintext: str) -> None:
-    from runtime.model_loader import served_model_names
+    from runtime.models.loader import served_model_names
 
     model_name = served_model_names(settings.model, settings.served_model_name)[0]
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from runtime.config import EngineConfig
-from runtime.kv_cache import measure_copy_bandwidth
-from runtime.model_loader import resolve_model, served_model_name
-from runtime.model_runner import LaunchedStep, ModelRunner
+from runtime.models.loader import resolve_model, served_model_name
+from runtime.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.step.kv_cache import measure_copy_bandwidth
+from runtime.step.model_runner import LaunchedStep, ModelRunner
 from runtime.structured.compiler import PreparedGrammar
 from runtime.structured.outputs import StructuredOutputs
 from runtime.structured.schema_rules import GrammarError
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.block_manager import BlockManager
 from scheduler.config import PreemptionCostModel, SchedulerConfig
 from scheduler.request import Request, RequestStatus, SamplingParams

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from runtime.engine import Engine, RequestOutput
-from runtime.model_loader import served_model_names
+from runtime.models.loader import served_model_names
+from runtime.models.tokenizer import Tokenizer
 from runtime.structured.compiler import PreparedGrammar
-from runtime.tokenizer import Tokenizer
 from scheduler.request import GrammarSpec, Request, SamplingParams
 
 log = logging.getLogger(__name__)

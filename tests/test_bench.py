@@ -28,7 +28,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from runtime.model_loader import resolve_model
+    from runtime.models.loader import resolve_model
 
     source = resolve_model(None)
     target = tmp_path_factory.mktemp("tiny-llama")

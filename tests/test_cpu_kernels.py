@@ -75,7 +75,7 @@ def test_paged_decode_refuses_mismatched_inputs(ops):
 
 
 def test_backend_uses_the_native_decode_on_cpu(ops):
-    from runtime.attention import AttentionBackend
+    from runtime.models.attention import AttentionBackend
 
     assert AttentionBackend(torch.device("cpu"), BLOCK_SIZE, torch.bfloat16).native is ops
     # float16: the reference's planned groups, decided once, not per layer call

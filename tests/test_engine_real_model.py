@@ -67,7 +67,7 @@ def test_greedy_equals_transformers_in_one_crowded_chunked_batch(engine, prompts
 
 
 def test_logits_match_transformers(engine, hf_model, prompts):
-    from runtime.model_runner import ModelRunner
+    from runtime.step.model_runner import ModelRunner
 
     runner: ModelRunner = engine.runner
     captured = []

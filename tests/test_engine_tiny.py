@@ -124,7 +124,7 @@ def test_offline_lines_keep_order_and_report_bad_ones(engine):
 
 
 def test_length_groups_bound_padding_and_cover_every_sequence():
-    from runtime.attention import length_groups
+    from runtime.models.attention import length_groups
 
     lens = sorted([10, 12, 15, 100, 101, 102, 500, 510] * 5)
     groups = length_groups(lens)

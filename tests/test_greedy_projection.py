@@ -173,9 +173,9 @@ def test_loaded_model_greedy_tokens_are_the_argmax_of_its_logits(tmp_path, tied)
     """Tied (the embedding) or untied (the lm_head keeps its plain weight beside the packed one
     for the kernel): compute_greedy_tokens = compute_logits(...).argmax(-1)."""
     from benchmarks.step import NEAR_ZERO, write_random_llama
-    from runtime.attention import AttentionBackend
-    from runtime.model_runner import load_model
+    from runtime.models.attention import AttentionBackend
     from runtime.models.config import ModelConfig
+    from runtime.step.model_runner import load_model
 
     config = dict(NEAR_ZERO, vocab_size=3001, tie_word_embeddings=tied)
     model_dir = write_random_llama(tmp_path, config)

@@ -984,7 +984,7 @@ def test_chart_settings_are_server_settings():
     chart = {_env_name(key) for key in chart_defaults()["config"]}
     chart |= SECRET_SETTINGS | {"CONVEYOR_MODEL", "CONVEYOR_AUTO_MIGRATE"}
     assert chart <= SERVER_SETTINGS | SECRET_SETTINGS
-    # CONVEYOR_CACHE_DIR is read by runtime.model_loader, not by the settings model.
+    # CONVEYOR_CACHE_DIR is read by runtime.models.loader, not by the settings model.
     assert sorted(chart - fields) == []
 
 

@@ -8,7 +8,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.step_inputs import prepare_host_step
+from runtime.step.inputs import prepare_host_step
 from scheduler.request import SamplingParams
 
 

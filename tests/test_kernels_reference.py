@@ -186,7 +186,7 @@ def test_causal_attention_matches_loop(group):
 @pytest.mark.parametrize("group", [1, 3])
 def test_cpu_backend_prefill_mixes_first_and_later_chunks(group):
     """The CPU backend splits a step's prefills into causal groups and paged groups."""
-    from runtime.attention import AttentionBackend, AttentionMetadata
+    from runtime.models.attention import AttentionBackend, AttentionMetadata
 
     chunks = [(7, 0), (3, 6), (1, 0), (12, 0), (2, 9), (6, 0), (1, 11), (2, 1)]
     batch = random_paged_batch(chunks, group * NUM_KV_HEADS)

@@ -109,6 +109,9 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_every_serving_package_states_its_rules():
     assert {"gateway", "runtime", "scheduler", "kernels"} <= set(package_rules())
+    assert {"runtime.step", "runtime.sampling", "runtime.models", "runtime.structured"} <= set(
+        package_rules()
+    )
     assert {"gateway.openai", "gateway.tenancy", "gateway.audit", "gateway.admin"} <= set(
         package_rules()
     )

@@ -1,5 +1,5 @@
 """Mixed-step CUDA graphs without a GPU. A mixed graph captures the padded static-buffer forward
-of runtime.cuda_graphs.MixedGraphs; uncaptured, `run` performs that same forward eagerly. Here it
+of runtime.step.cuda_graphs.MixedGraphs; uncaptured, `run` performs that same forward eagerly. Here it
 runs on CPU with the Triton kernels interpreted (the GPU code path) against the normal eager
 forward of the same step: the same hidden states and greedy tokens, no write into the KV cache
 outside the step's slots, the right bucket, and eager fallback for what fits no bucket.
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.attention import ForwardContext
 from runtime.config import EngineConfig
-from runtime.cuda_graphs import DecodeGraphs, MixedGraphs, token_buckets
 from runtime.engine import Engine
-from runtime.model_runner import ModelRunner
-from runtime.step_inputs import StepInputs, device_step, prepare_host_step
+from runtime.models.attention import ForwardContext
+from runtime.step.cuda_graphs import DecodeGraphs, MixedGraphs, token_buckets
+from runtime.step.inputs import StepInputs, device_step, prepare_host_step
+from runtime.step.model_runner import ModelRunner
 from scheduler.request import Request, SamplingParams
 
 MAX_SEQS = 6
@@ -194,7 +194,7 @@ def test_steps_that_fit_no_mixed_graph_are_left_to_the_eager_path(runner):
 def test_decodes_beside_a_long_context_are_left_to_the_eager_path(runner, monkeypatch):
     """The eager decode kernel splits a long context across the GPU; inside a mixed graph the
     prefill kernel would read it in one program per kv head."""
-    from runtime import cuda_graphs
+    from runtime.step import cuda_graphs
 
     small = attach_graphs(runner, 32, max_seqs=3)
     monkeypatch.setattr(cuda_graphs, "MAX_GRAPHED_CONTEXT", 64)

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from runtime.sampler import (
+from runtime.sampling.sampler import (
     Sampler,
     SamplerOutput,
     TokenLogprobs,

@@ -213,7 +213,7 @@ def test_served_model_names_come_from_the_flag_or_the_environment(monkeypatch):
 
 
 def test_the_default_served_name_is_derived_from_the_model():
-    from runtime.model_loader import served_model_names
+    from runtime.models.loader import served_model_names
 
     assert served_model_names("/models/my-llama", None) == ("my-llama",)
     assert served_model_names("/x/SmolLM2.Q4.gguf", []) == ("SmolLM2.Q4",)

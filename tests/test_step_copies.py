@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from runtime import model_runner, staging
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.step import model_runner, staging
 from scheduler.request import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,7 +221,7 @@ def test_padded_graph_inputs_add_no_sync(engine, monkeypatch):
     padded all-prefill forward) and decode-only steps (a decode graph's) keep one copy each way
     and no sync. The graphs are not captured here: their `run` does the same padded forward
     eagerly, as a replay would, with the Triton kernels interpreted."""
-    from runtime.cuda_graphs import DecodeGraphs, MixedGraphs
+    from runtime.step.cuda_graphs import DecodeGraphs, MixedGraphs
 
     runner = engine.runner
     width = runner.input_batch.device_block_table.shape[1]

@@ -13,8 +13,8 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from runtime.sampler import Sampler
-from runtime.sampling_plan import param_rows, plan_sampling
+from runtime.sampling.plan import param_rows, plan_sampling
+from runtime.sampling.sampler import Sampler
 from runtime.structured.compiler import GrammarCompiler
 from runtime.structured.masks import MaskBuilder
 from runtime.structured.matchers import GrammarMatchers

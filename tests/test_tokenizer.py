@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.tokenizer import (
+from runtime.models.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     find_stop,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference
-from runtime.attention import AttentionBackend, ForwardContext
+from runtime.models.attention import AttentionBackend, ForwardContext
 from runtime.models.config import ModelConfig
 
 

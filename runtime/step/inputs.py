@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import AttentionMetadata
-from runtime.input_batch import InputBatch
-from runtime.sampling_plan import SamplingPlan, padded_token_ids, plan_sampling
+from runtime.models.attention import AttentionMetadata
+from runtime.sampling.plan import SamplingPlan, padded_token_ids, plan_sampling
+from runtime.step.input_batch import InputBatch
 from scheduler.request import Request
 
 _LAST = 1 << 62  # sort key that puts prefill chunks after every decode

@@ -2,7 +2,7 @@
 across steps and changed only where something changed: a request joins (its tokens, blocks and
 sampling settings are written once), gets a new block or a new token, or leaves (finished,
 aborted, preempted). A step's inputs are then gathered from these rows by tensor ops on the host
-and sent to the device in one copy (runtime/staging.py); the device keeps its own block table
+and sent to the device in one copy (runtime/step/staging.py); the device keeps its own block table
 and settings rows, updated in place from that copy.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampling_plan import NUM_PARAMS, param_row
+from runtime.sampling.plan import NUM_PARAMS, param_row
 from scheduler.request import Request, RequestStatus
 
 

@@ -11,16 +11,16 @@ import torch
 from safetensors import safe_open
 
 from kernels import native
-from runtime.attention import AttentionBackend, ForwardContext
 from runtime.config import EngineConfig
-from runtime.input_batch import InputBatch
-from runtime.kv_cache import KVCache, parse_bytes
+from runtime.models.attention import AttentionBackend, ForwardContext
 from runtime.models.config import ModelConfig, rope_cos_sin_cache
 from runtime.models.llama import LlamaForCausalLM, can_pack
-from runtime.sampler import Sampler, unpack
-from runtime.sampling_plan import penalty_inputs
-from runtime.staging import PendingCopy, StagingBuffer, copy_to_host
-from runtime.step_inputs import HostStep, StepInputs, device_step, prepare_host_step
+from runtime.sampling.plan import penalty_inputs
+from runtime.sampling.sampler import Sampler, unpack
+from runtime.step.input_batch import InputBatch
+from runtime.step.inputs import HostStep, StepInputs, device_step, prepare_host_step
+from runtime.step.kv_cache import KVCache, parse_bytes
+from runtime.step.staging import PendingCopy, StagingBuffer, copy_to_host
 from scheduler.request import Request
 from scheduler.scheduler import SchedulerOutput
 
@@ -80,7 +80,7 @@ class ModelRunner:
         )
         self.staging = StagingBuffer(self.device)
         self.grammar_masks = None  # runtime.structured.MaskBuilder, set by the engine
-        self.decode_graphs = self.mixed_graphs = None  # runtime.cuda_graphs, CUDA only
+        self.decode_graphs = self.mixed_graphs = None  # runtime.step.cuda_graphs, CUDA only
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs(config)
         if self.device.type == "cuda":
@@ -88,7 +88,7 @@ class ModelRunner:
 
     def _capture_graphs(self, config: EngineConfig) -> None:
         """Mixed-step graphs (token buckets) first, then the decode graphs, in one pool."""
-        from runtime.cuda_graphs import DecodeGraphs, MixedGraphs
+        from runtime.step.cuda_graphs import DecodeGraphs, MixedGraphs
 
         width = self.input_batch.device_block_table.shape[1]
         self.mixed_graphs = MixedGraphs(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.sampling_ops import FilterSettings, PenaltyInputs
+from runtime.sampling.ops import FilterSettings, PenaltyInputs
 from scheduler.request import Request, SamplingParams
 
 # columns of a parameter row (float64: exact for every int a setting holds)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampling_ops import (
+from runtime.sampling.ops import (
     CANDIDATE_STAGES,
     Candidates,
     PenaltyInputs,
@@ -27,7 +27,7 @@ from runtime.sampling_ops import (
     prepare_candidates,
     top_k_top_p_candidates_of,
 )
-from runtime.sampling_plan import (
+from runtime.sampling.plan import (
     RandomGroup,
     SamplingPlan,
     filter_settings,

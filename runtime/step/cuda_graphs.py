@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import AttentionMetadata, ForwardContext
+from runtime.models.attention import AttentionMetadata, ForwardContext
 
 MAX_MIXED_TOKENS = 512  # the largest mixed bucket: a bound on capture time and graph memory
 
