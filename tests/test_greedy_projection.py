@@ -175,7 +175,7 @@ def test_loaded_model_greedy_tokens_are_the_argmax_of_its_logits(tmp_path, tied)
     from benchmarks.step import NEAR_ZERO, write_random_llama
     from runtime.models.attention import AttentionBackend
     from runtime.models.config import ModelConfig
-    from runtime.step.model_runner import load_model
+    from runtime.models.loader import load_model
 
     config = dict(NEAR_ZERO, vocab_size=3001, tie_word_embeddings=tied)
     model_dir = write_random_llama(tmp_path, config)

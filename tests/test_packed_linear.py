@@ -56,7 +56,7 @@ def test_packed_bfloat16_is_bit_identical_to_plain(num_rows):
 def test_loaded_model_packs_every_projection_and_the_tied_lm_head(tiny_model_dir):
     from runtime.models.attention import AttentionBackend
     from runtime.models.config import ModelConfig
-    from runtime.step.model_runner import load_model
+    from runtime.models.loader import load_model
 
     config = ModelConfig.from_dir(tiny_model_dir)
     cpu = torch.device("cpu")

@@ -11,6 +11,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
+from kernels import native
+from runtime.models.config import ModelConfig, rope_cos_sin_cache
+from runtime.models.llama import LlamaForCausalLM, can_pack
+
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -86,7 +93,6 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantise a GGUF through transformers' loader and save it as float32 safetensors."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -103,3 +109,25 @@ def _drop_quantization_tag(config_path: Path) -> None:
     config = json.loads(config_path.read_text())
     if config.pop("quantization_config", None) is not None:
         config_path.write_text(json.dumps(config, indent=2))
+
+
+def load_model(model_dir: Path, config: ModelConfig, dtype, device, backend) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_weights(_read_safetensors(model_dir))
+    model.cos_sin_cache = rope_cos_sin_cache(config, config.max_position_embeddings).to(device)
+    model.greedy_projection = native.greedy_projection_for(torch.device(device), dtype)
+    if can_pack(device, dtype):
+        model.pack_linears()
+    return model.eval()
+
+
+def _read_safetensors(model_dir: Path):
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)

@@ -8,13 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from kernels import native
 from runtime.config import EngineConfig
 from runtime.models.attention import AttentionBackend, ForwardContext
-from runtime.models.config import ModelConfig, rope_cos_sin_cache
-from runtime.models.llama import LlamaForCausalLM, can_pack
+from runtime.models.config import ModelConfig
+from runtime.models.loader import load_model
 from runtime.sampling.plan import penalty_inputs
 from runtime.sampling.sampler import Sampler, unpack
 from runtime.step.input_batch import InputBatch
@@ -37,28 +35,6 @@ class LaunchedStep:
     @property
     def has_samples(self) -> bool:
         return self.sampled is not None
-
-
-def load_model(model_dir: Path, config: ModelConfig, dtype, device, backend) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend)
-    model = model.to_empty(device=device).to(dtype)
-    model.load_weights(_read_safetensors(model_dir))
-    model.cos_sin_cache = rope_cos_sin_cache(config, config.max_position_embeddings).to(device)
-    model.greedy_projection = native.greedy_projection_for(torch.device(device), dtype)
-    if can_pack(device, dtype):
-        model.pack_linears()
-    return model.eval()
-
-
-def _read_safetensors(model_dir: Path):
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
 
 
 class ModelRunner:
