@@ -1,17 +1,18 @@
-"""Engine: the synchronous step loop (schedule -> run -> update -> detokenize). Asyncio callers
-reach it through `runtime.engine_client.EngineClient`, which runs it on its own thread.
+"""Engine: the synchronous step loop (schedule -> launch -> land -> build outputs). Asyncio
+callers reach it through `runtime.engine_client.EngineClient`, which runs it on its own thread.
 
-With async output (as vLLM's async output processing) a step's outputs are built during the
-next step's forward pass: `step()` schedules and launches step N, then detokenizes step N-1 and
-builds its outputs while the device works, then waits for step N's tokens.
-
-With async scheduling (on CUDA by default; vLLM's async scheduling, SGLang's overlap scheduler)
-the host runs a whole step ahead: `step()` schedules and launches step N while step N-1 is still
-on the device, then waits for step N-1's tokens, appends them and builds its outputs. Step N's
-decodes read step N-1's tokens on the device (the scheduler counts them as pending), so the
-device never waits for the host between steps. A step whose requests' next step needs their
-tokens on the host (penalties over the output, a grammar's next mask) lands before the next one
-is scheduled.
+One pipeline serves the three step modes. Each `step()` schedules and launches one step, then
+lands (waits for the sampled tokens, appends them, advances grammars) and builds the outputs
+(detokenize, stop strings) of the steps in the pipeline that are old enough:
+- plain: a step lands and is built at once (both lags 0);
+- async output (vLLM's async output processing; output lag 1): a step lands at once but its
+  outputs are built during the next step's forward pass;
+- async scheduling (on CUDA by default; vLLM's async scheduling, SGLang's overlap scheduler;
+  land lag 1): step N is scheduled and launched while step N-1 is still on the device, then N-1
+  lands and is built. Step N's decodes read N-1's tokens on the device (the scheduler counts
+  them as pending), so the device never waits for the host between steps. A step whose requests'
+  next step needs their tokens on the host (penalties over the output, a grammar's next mask)
+  lands before the next one is scheduled; a step with nothing to sample lands at once.
 
 Either way, a request that a stop string, an end-of-sequence token or its grammar stops was
 already scheduled in the step after; that token is computed and dropped, so the outputs are the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,8 +37,9 @@ from runtime.structured.outputs import StructuredOutputs
 from runtime.structured.schema_rules import GrammarError
 from scheduler.block_manager import BlockManager
 from scheduler.config import PreemptionCostModel, SchedulerConfig
+from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +75,17 @@ _ids = itertools.count()
 class StepResult:
     """A step whose tokens are known but whose outputs are not built yet."""
 
-    out: SchedulerOutput
     sampled: dict[str, tuple[int, Any]]  # request id -> (token, logprobs or None)
     advanced: list[Request]  # requests that got a token, in step order
 
 
 @dataclass
-class InFlight:
-    """A launched step whose tokens have not reached the host (async scheduling)."""
+class PipelineStep:
+    """A launched step: landed once its tokens reached the host, then built into outputs."""
 
     out: SchedulerOutput
     launched: LaunchedStep
+    result: StepResult | None = None  # set when it lands
 
 
 class Engine:
@@ -100,7 +103,7 @@ class Engine:
         self.structured = StructuredOutputs(
             self.tokenizer.hf_tokenizer, mc.vocab_size, self.eos_token_ids, self.runner.device
         )
-        self.runner.grammar_masks = self.structured.masks
+        self.runner.use_grammar_masks(self.structured.masks)
         if self.runner.device.type == "cuda":
             self.structured.masks.warm_up(mc.vocab_size)  # not on the first constrained request
         self.block_manager = BlockManager(
@@ -117,8 +120,7 @@ class Engine:
         self.num_steps = 0
         self.async_scheduling = config.resolved_async_scheduling()
         self.async_output = config.resolved_async_output() and not self.async_scheduling
-        self.unbuilt: StepResult | None = None  # async output: the last step, outputs to build
-        self.in_flight: InFlight | None = None  # async scheduling: launched, tokens not landed
+        self.pipeline: deque[PipelineStep] = deque()  # oldest first
 
     def reset_scheduler(self, **config_changes) -> None:
         """A fresh scheduler and block manager (empty prefix cache) on the loaded model, with
@@ -130,7 +132,9 @@ class Engine:
             old.num_gpu_blocks, old.block_size, old.num_cpu_blocks, old.enable_prefix_caching
         )
         config = replace(self.scheduler.config, **config_changes)
-        self.scheduler = Scheduler(config, self.block_manager, self.scheduler.cost_model)
+        old_scheduler = self.scheduler
+        self.scheduler = Scheduler(config, self.block_manager, old_scheduler.cost_model)
+        self.scheduler.left_ids += old_scheduler.left_ids  # rows the next step still releases
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -230,55 +234,54 @@ class Engine:
         request.finish_reason = "abort"
         return self._finish_output(request, [], "")
 
-    def has_unfinished(self) -> bool:
-        return self._holds_a_step() or self.scheduler.has_unfinished()
+    @property
+    def land_lag(self) -> int:
+        """How many steps are launched after a step before it lands."""
+        return int(self.async_scheduling)
 
-    def _holds_a_step(self) -> bool:
-        return self.unbuilt is not None or self.in_flight is not None
+    @property
+    def output_lag(self) -> int:
+        """How many steps are launched after a step lands before its outputs are built."""
+        return int(self.async_output and not self.async_scheduling)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pipeline) or self.scheduler.has_unfinished()
 
     def seconds_until_runnable(self) -> float:
         """How long a step would do nothing (dynamic batching waiting for its batch)."""
-        return 0.0 if self._holds_a_step() else self.scheduler.seconds_until_runnable()
+        return 0.0 if self.pipeline else self.scheduler.seconds_until_runnable()
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns its outputs, or with async output or async scheduling the
-        previous step's."""
-        if self.async_scheduling:
-            return self._step_ahead()
+        """Schedule and launch one step; returns the outputs of the steps that were built."""
+        outputs = self._advance(needed_on_host=True)
         out = self.scheduler.schedule()
-        launched = self._launch(out)
-        unbuilt, self.unbuilt = self.unbuilt, None
-        outputs = self._build_outputs(unbuilt) if unbuilt else []  # while the device runs
-        result = self._land(out, launched)
-        if self.async_output:
-            self.unbuilt = result if result.advanced or out.preempted else None
-            return outputs
-        return outputs + self._build_outputs(result)
-
-    def _step_ahead(self) -> list[RequestOutput]:
-        """Async scheduling: launch step N, then land step N-1 while the device runs step N."""
-        outputs = []
-        if self.in_flight is not None and self.in_flight.launched.needs_host_tokens:
-            outputs = self._land_in_flight()
-        out = self.scheduler.schedule()
-        previous = self.in_flight
-        launched = self._launch(out, previous.launched if previous is not None else None)
-        self.in_flight = InFlight(out, launched)
-        if previous is not None:
-            outputs += self._build_outputs(self._land(previous.out, previous.launched))
-        if not launched.has_samples:  # nothing to wait for: land it now
-            outputs += self._land_in_flight()
-        return outputs
-
-    def _land_in_flight(self) -> list[RequestOutput]:
-        in_flight, self.in_flight = self.in_flight, None
-        return self._build_outputs(self._land(in_flight.out, in_flight.launched))
-
-    def _launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        newest = self.pipeline[-1] if self.pipeline else None
+        previous = newest.launched if newest is not None and newest.result is None else None
         launched = self.runner.launch(out, previous)
         self.scheduler.mark_launched(out)
-        return launched
+        self.pipeline.append(PipelineStep(out, launched))
+        return outputs + self._advance()
+
+    def _advance(self, needed_on_host: bool = False) -> list[RequestOutput]:
+        """Land and build the steps old enough for it, oldest first. needed_on_host: before a
+        schedule, land only the steps whose tokens the next step needs on the host."""
+        outputs = []
+        for age, step in zip(range(len(self.pipeline) - 1, -1, -1), list(self.pipeline)):
+            if step.result is None:
+                if not self._should_land(step, age, needed_on_host):
+                    continue
+                step.result = self._land(step.out, step.launched)
+            has_outputs = step.result.advanced or step.out.preempted
+            if age >= self.output_lag or not has_outputs:
+                outputs += self._build_outputs(step.out, step.result)
+                self.pipeline.remove(step)
+        return outputs
+
+    def _should_land(self, step: PipelineStep, age: int, needed_on_host: bool) -> bool:
+        if needed_on_host:
+            return step.launched.needs_host_tokens
+        return age >= self.land_lag or not step.launched.has_samples
 
     def _land(self, out: SchedulerOutput, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens and hand them to the scheduler and the grammars."""
@@ -286,17 +289,18 @@ class Engine:
         self.num_steps += launched.host is not None  # a step with nothing to run is no step
         tokens = {rid: token for rid, (token, _) in sampled.items()}
         advanced = self.scheduler.update_from_output(out, tokens)
-        for request in self.structured.advance(advanced):  # its grammar is complete
-            self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
-        return StepResult(out, sampled, advanced)
+        if launched.host is not None and launched.host.has_grammar:
+            for request in self.structured.advance(advanced):  # its grammar is complete
+                self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
+        return StepResult(sampled, advanced)
 
-    def _build_outputs(self, result: StepResult) -> list[RequestOutput]:
+    def _build_outputs(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs = [
             self._output_for(r, *result.sampled[r.request_id])
             for r in result.advanced
             if r.status is not RequestStatus.FINISHED_ABORTED  # aborted since: last output sent
         ]
-        return outputs + self._event_only_outputs(result.out, {o.request_id for o in outputs})
+        return outputs + self._event_only_outputs(out, {o.request_id for o in outputs})
 
     def _output_for(self, request: Request, token_id: int, logprobs) -> RequestOutput:
         detok = self.detokenizers[request.request_id]
@@ -339,11 +343,13 @@ class Engine:
         )
 
     def _finish_output(self, request: Request, token_ids, text, logprobs=()) -> RequestOutput:
+        """The request's last output; the engine's state of it goes (the runner's goes when the
+        next step's SchedulerOutput lists it as finished)."""
         output = self._make_output(request, token_ids, text, logprobs)
         self.detokenizers.pop(request.request_id, None)
         self.num_events_sent.pop(request.request_id, None)
-        self.runner.sampler.release(request.request_id)
-        self.structured.release(request.request_id)
+        if request.sampling_params.grammar is not None:
+            self.structured.release(request.request_id)
         return output
 
     def generate(
