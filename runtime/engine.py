@@ -52,6 +52,28 @@ class RequestError(ValueError):
         self.code, self.param = code, param
 
 
+def prompt_error(
+    prompt: list[int], vocab_size: int, max_len: int, num_output: int, param: str
+) -> RequestError | None:
+    """What is wrong with a prompt that asks for num_output tokens where contexts hold max_len
+    tokens (the model's length, or the whole KV cache if smaller); None if nothing. The engine
+    and the HTTP API both ask here."""
+    if not prompt:
+        return RequestError("The prompt is empty.", code="invalid_value", param=param)
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+        message = f"Token ids must be integers in [0, {vocab_size})."
+        return RequestError(message, code="invalid_value", param=param)
+    if len(prompt) + num_output > max_len:
+        return RequestError(
+            f"This model's maximum context length is {max_len} tokens. However, you "
+            f"requested {len(prompt) + num_output} tokens ({len(prompt)} in the prompt, "
+            f"{num_output} for the completion). Please reduce the prompt or max_tokens.",
+            code="context_length_exceeded",
+            param=param,
+        )
+    return None
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -69,6 +91,14 @@ class RequestOutput:
 
 
 _ids = itertools.count()
+
+
+@dataclass(slots=True)
+class OutputState:
+    """The engine's own state of a live request: its detokenizer and the events sent so far."""
+
+    detokenizer: IncrementalDetokenizer
+    num_events_sent: int = 0
 
 
 @dataclass
@@ -115,8 +145,7 @@ class Engine:
         self.scheduler = Scheduler(
             self._scheduler_config(), self.block_manager, self._measure_costs()
         )
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.num_events_sent: dict[str, int] = {}
+        self.outputs: dict[str, OutputState] = {}  # request id -> what its outputs carried
         self.num_steps = 0
         self.async_scheduling = config.resolved_async_scheduling()
         self.async_output = config.resolved_async_output() and not self.async_scheduling
@@ -161,31 +190,16 @@ class Engine:
             params.validate(self.runner.model_config.vocab_size)
         except ValueError as e:
             raise RequestError(str(e), code="invalid_value") from e
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise RequestError("the prompt is empty", code="invalid_value", param="prompt")
-        vocab_size = self.runner.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
-            raise RequestError(
-                f"prompt token ids must be integers in [0, {vocab_size})",
-                code="invalid_value",
-                param="prompt",
-            )
-        if num_prompt >= self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {num_prompt} tokens.",
-                code="context_length_exceeded",
-                param="messages",
-            )
-        needed = self.block_manager.num_blocks_for(num_prompt + 1)
-        if needed > self.block_manager.num_gpu_blocks:
-            raise RequestError(
-                f"the prompt needs {needed} KV blocks but the whole KV cache has "
-                f"{self.block_manager.num_gpu_blocks}",
-                code="context_length_exceeded",
-                param="prompt",
-            )
+        kv_capacity = self.block_manager.num_gpu_blocks * self.block_manager.block_size
+        error = prompt_error(
+            prompt_token_ids,
+            self.runner.model_config.vocab_size,
+            min(self.max_model_len, kv_capacity),
+            num_output=1,
+            param="prompt",
+        )
+        if error is not None:
+            raise error
 
     def add_request(
         self,
@@ -214,10 +228,8 @@ class Engine:
             weight=weight,
             eos_token_ids=self.eos_token_ids,
         )
-        self.detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, stop=params.stop
-        )
-        self.num_events_sent[request.request_id] = 0
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
+        self.outputs[request.request_id] = OutputState(detokenizer)
         self.scheduler.add_request(request)
         return request
 
@@ -303,7 +315,7 @@ class Engine:
         return outputs + self._event_only_outputs(out, {o.request_id for o in outputs})
 
     def _output_for(self, request: Request, token_id: int, logprobs) -> RequestOutput:
-        detok = self.detokenizers[request.request_id]
+        detok = self.outputs[request.request_id].detokenizer
         text = detok.add_tokens([token_id])
         if detok.stop_hit is not None and not request.is_finished:
             request.stop_reason = detok.stop_hit
@@ -325,8 +337,10 @@ class Engine:
         ]
 
     def _make_output(self, request: Request, token_ids, text, logprobs=()) -> RequestOutput:
-        sent = self.num_events_sent.get(request.request_id, 0)
-        self.num_events_sent[request.request_id] = len(request.events)
+        state = self.outputs.get(request.request_id)
+        sent = state.num_events_sent if state is not None else 0
+        if state is not None:
+            state.num_events_sent = len(request.events)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -346,8 +360,7 @@ class Engine:
         """The request's last output; the engine's state of it goes (the runner's goes when the
         next step's SchedulerOutput lists it as finished)."""
         output = self._make_output(request, token_ids, text, logprobs)
-        self.detokenizers.pop(request.request_id, None)
-        self.num_events_sent.pop(request.request_id, None)
+        self.outputs.pop(request.request_id, None)
         if request.sampling_params.grammar is not None:
             self.structured.release(request.request_id)
         return output

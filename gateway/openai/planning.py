@@ -31,6 +31,7 @@ from gateway.openai.schemas import (
     SamplingFields,
 )
 from gateway.openai.structured import GrammarPlan, grammar_spec, prepare, template_messages
+from runtime.engine import prompt_error
 from runtime.engine_client import EngineInfo
 from scheduler.request import GrammarSpec, SamplingParams, SamplingParamsError
 
@@ -128,20 +129,11 @@ def check_prompt_fits(
 ) -> None:
     """The prompt's ids are in the vocabulary, and prompt + max_tokens fits the context and the
     KV cache: everything the engine would refuse, checked once, with its fixed facts."""
-    if not prompt:
-        raise bad_request("The prompt is empty.", param=param)
-    if any(not 0 <= token_id < info.vocab_size for token_id in prompt):
-        raise bad_request(f"Token ids must be in [0, {info.vocab_size}).", param=param)
     num_output = max_tokens or 1  # no max_tokens: whatever fits, at least one token
     max_len = min(info.max_model_len, info.kv_capacity_tokens)
-    if len(prompt) + num_output > max_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_len} tokens. However, you "
-            f"requested {len(prompt) + num_output} tokens ({len(prompt)} in the prompt, "
-            f"{num_output} for the completion). Please reduce the prompt or max_tokens.",
-            param=param,
-            code="context_length_exceeded",
-        )
+    error = prompt_error(prompt, info.vocab_size, max_len, num_output, param)
+    if error is not None:
+        raise bad_request(str(error), param=param, code=error.code)
 
 
 def check_sampling(info: EngineInfo, params: SamplingParams) -> None:
