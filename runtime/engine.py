@@ -105,8 +105,8 @@ class OutputState:
 class StepResult:
     """A step whose tokens are known but whose outputs are not built yet."""
 
-    sampled: dict[str, tuple[int, Any]]  # request id -> (token, logprobs or None)
-    advanced: list[Request]  # requests that got a token, in step order
+    sampled: dict[str, tuple[list[int], list[Any]]]  # request id -> (tokens, logprobs or None)
+    advanced: list[tuple[Request, int]]  # requests that got tokens, how many kept, in order
 
 
 @dataclass
@@ -299,7 +299,7 @@ class Engine:
         """Wait for a launched step's tokens and hand them to the scheduler and the grammars."""
         sampled = self.runner.collect(launched)
         self.num_steps += launched.host is not None  # a step with nothing to run is no step
-        tokens = {rid: token for rid, (token, _) in sampled.items()}
+        tokens = {rid: token_ids for rid, (token_ids, _) in sampled.items()}
         advanced = self.scheduler.update_from_output(out, tokens)
         if launched.host is not None and launched.host.has_grammar:
             for request in self.structured.advance(advanced):  # its grammar is complete
@@ -308,25 +308,29 @@ class Engine:
 
     def _build_outputs(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs = [
-            self._output_for(r, *result.sampled[r.request_id])
-            for r in result.advanced
+            self._output_for(r, num_kept, *result.sampled[r.request_id])
+            for r, num_kept in result.advanced
             if r.status is not RequestStatus.FINISHED_ABORTED  # aborted since: last output sent
         ]
         return outputs + self._event_only_outputs(out, {o.request_id for o in outputs})
 
-    def _output_for(self, request: Request, token_id: int, logprobs) -> RequestOutput:
+    def _output_for(
+        self, request: Request, num_kept: int, token_ids: list[int], logprobs: list
+    ) -> RequestOutput:
+        """The output of the tokens a request kept from a step (a stop ends the run early)."""
+        token_ids = token_ids[:num_kept]
+        logprobs = [lp for lp in logprobs[:num_kept] if lp is not None]
         detok = self.outputs[request.request_id].detokenizer
-        text = detok.add_tokens([token_id])
+        text = detok.add_tokens(token_ids)
         if detok.stop_hit is not None and not request.is_finished:
             request.stop_reason = detok.stop_hit
             self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
         elif request.is_finished and detok.stop_hit is None:
             text += detok.flush()
         request.output_text += text
-        lp = [logprobs] if logprobs is not None else []
         if request.is_finished:
-            return self._finish_output(request, [token_id], text, lp)
-        return self._make_output(request, [token_id], text, lp)
+            return self._finish_output(request, token_ids, text, logprobs)
+        return self._make_output(request, token_ids, text, logprobs)
 
     def _event_only_outputs(self, out, done: set[str]) -> list[RequestOutput]:
         """Requests preempted this step get an output carrying their new events."""

@@ -278,23 +278,31 @@ class Scheduler(LineAdmission):
             if request.num_computed_tokens == request.num_tokens_with_pending:
                 request.num_pending_tokens += 1
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """A launched step's tokens have landed: append them, finish on a stop condition.
-        Returns the requests that got a new token, in step order."""
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[tuple[Request, int]]:
+        """A launched step's tokens have landed (one per sampling row today; a row may bring
+        several): append them in order until a stop condition finishes the request. Returns
+        each request that got tokens and how many it kept, in step order."""
         advanced = []
         for request, _ in out.scheduled:
             if request.is_finished:
                 continue  # aborted (or stopped by an earlier step) while the step ran
-            token_id = sampled.get(request.request_id)
-            if token_id is None:
+            token_ids = sampled.get(request.request_id)
+            if not token_ids:
                 continue
             request.num_pending_tokens -= 1
+            advanced.append((request, self._append_until_stop(request, token_ids)))
+        return advanced
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> int:
+        for num_kept, token_id in enumerate(token_ids, start=1):
             request.output_token_ids.append(token_id)
-            advanced.append(request)
             status = self.check_stop(request, token_id)
             if status is not None:
                 self.finish_with_event(request, status)
-        return advanced
+                return num_kept
+        return len(token_ids)
 
     def check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -71,10 +71,10 @@ def test_staged_inputs_equal_the_plain_flat_batch(engine):
             batch.updates.params += tensors.param_values.tolist()
             out = replace(out, new_rows=[], appends=[])  # applied above
         sampled = engine.runner.execute(out)
-        tokens = {rid: token for rid, (token, _) in sampled.items()}
+        tokens = {rid: token_ids for rid, (token_ids, _) in sampled.items()}
         engine.scheduler.mark_launched(out)
-        for request in engine.scheduler.update_from_output(out, tokens):
-            engine._output_for(request, *sampled[request.request_id])
+        for request, num_kept in engine.scheduler.update_from_output(out, tokens):
+            engine._output_for(request, num_kept, *sampled[request.request_id])
     assert checked >= 5
 
 

@@ -40,7 +40,7 @@ def add(scheduler, rid, priority, prompt_len=4, max_tokens=50, tenant="t", now=N
 def step(scheduler):
     out = scheduler.schedule()
     sampled = {
-        r.request_id: 7 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
+        r.request_id: [7] for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
     }
     scheduler.mark_launched(out)
     scheduler.update_from_output(out, sampled)

@@ -123,8 +123,9 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, object]]:
-        """Returns {request_id: (sampled token, logprobs or None)} for requests that sample."""
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list]]:
+        """Returns {request_id: (sampled tokens, their logprobs or None)} for requests that
+        sample (one token each today)."""
         return self.collect(self.launch(out))
 
     @torch.inference_mode()
@@ -195,14 +196,14 @@ class ModelRunner:
         grammar_mask = mask.result() if mask is not None else None
         return self.sampler.sample_on_device(logits, plan, params, indices, penalties, grammar_mask)
 
-    def collect(self, step: LaunchedStep) -> dict[str, tuple[int, object]]:
+    def collect(self, step: LaunchedStep) -> dict[str, tuple[list[int], list]]:
         """Wait for a launched step's sampled ids (the step's one copy back) and hand them out."""
         if step.sampled is None:
             return {}
         host = step.host
         sampled = unpack(step.sampled.result(), host.sampling)
         return {
-            request_id: (token, logprobs)
+            request_id: ([token], [logprobs])
             for request_id, token, logprobs in zip(
                 host.sample_request_ids, sampled.token_ids, sampled.logprobs
             )
