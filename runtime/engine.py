@@ -209,7 +209,6 @@ class Engine:
         priority: int = 0,
         tenant: str = "default",
         weight: float = 1.0,
-        stop_params: dict | None = None,
         grammar: PreparedGrammar | None = None,
     ) -> Request:
         """grammar: the compiled grammar of params.grammar (EngineClient.prepare_grammar); a
