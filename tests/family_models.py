@@ -27,8 +27,6 @@ def write_random_model(path: Path, hf_config, seed: int = 0) -> Path:
     that greedy picks between near-ties); norm weights random around their identity."""
     from transformers import AutoModelForCausalLM
 
-    from runtime.models.loader import resolve_model
-
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
@@ -42,11 +40,18 @@ def write_random_model(path: Path, hf_config, seed: int = 0) -> Path:
             else:
                 param.copy_(noise / param.shape[-1] ** 0.5)
     model.save_pretrained(path, safe_serialization=True)
+    copy_tokenizer(path)
+    return path
+
+
+def copy_tokenizer(path: Path) -> None:
+    """SmolLM2's tokenizer files (49,152 ids) into `path`."""
+    from runtime.models.loader import resolve_model
+
     real = resolve_model(None)
     for name in TOKENIZER_FILES:
         if (real / name).exists():
             shutil.copy(real / name, path / name)
-    return path
 
 
 def mistral_config(**overrides):
