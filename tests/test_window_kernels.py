@@ -143,3 +143,13 @@ def test_triton_decode_with_a_window_matches_reference(triton_attention, partiti
             *args, 0.3, partition_size=partition_size, sliding_window=window
         )
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+
+
+def test_reference_gathers_only_the_blocks_a_window_reaches():
+    case = _paged_case([300, 30], [1, 1], 4, 2, 16, seed=5)
+    args = (case["block_tables"], case["query_start_loc"], case["seq_lens"], BLOCK_SIZE)
+    plan = reference.prepare_paged_plan(*args, sliding_window=20)
+    # keys 280..299 lie in blocks 17 and 18; the short sequence's keys 10..29 in blocks 0, 1
+    assert plan.max_kv_len == 30  # the longer of 300 - 17 * 16 = 28 and 30
+    assert plan.block_ids.view(2, -1)[0].tolist() == case["block_tables"][0, 17:19].tolist()
+    assert reference.prepare_paged_plan(*args).max_kv_len == 300
