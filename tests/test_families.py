@@ -228,3 +228,30 @@ def test_qwen2_with_biases_and_untied_head_equals_transformers(qwen2_dir, prompt
     assert engine.runner.model.layers[0].self_attn.qkv_proj.bias is not None
     requests = engine.generate(prompts[4:], greedy())
     assert [r.output_token_ids for r in requests] == oracle_ids
+
+
+def test_mistral_window_through_the_padded_graph_paths(mistral_dir, prompts, mistral_oracle):
+    """The static-buffer forwards that CUDA graphs replay (run eagerly here, Triton
+    interpreted): each layer's window is a constant of the captured forward, no buffer."""
+    from runtime.step.cuda_graphs import DecodeGraphs, MixedGraphs
+
+    engine = make_engine(mistral_dir, "triton", max_num_seqs=3, enable_prefix_caching=False)
+    runner = engine.runner
+    width = runner.input_batch.device_block_table.shape[1]
+    runner.mixed_graphs = MixedGraphs(runner.model, runner.kv_cache, 64, 3, width)
+    runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_cache, 3, width)
+    used = {"mixed": 0, "decode": 0}
+    for name, graphs in (("mixed", runner.mixed_graphs), ("decode", runner.decode_graphs)):
+        graphs.run = _counted(graphs.run, used, name)
+    chosen = [1, 4, 5]  # 39, 97 and 150 tokens
+    requests = engine.generate([prompts[i] for i in chosen], greedy())
+    assert used["mixed"] and used["decode"], used
+    assert [r.output_token_ids for r in requests] == [mistral_oracle[0][i] for i in chosen]
+
+
+def _counted(run, used: dict, name: str):
+    def wrapper(*args, **kwargs):
+        used[name] += 1
+        return run(*args, **kwargs)
+
+    return wrapper
