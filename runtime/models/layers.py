@@ -55,8 +55,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w; with unit_offset (Gemma) the checkpoint stores w - 1, and the loader
-    folds the 1 in once (fold_unit_offset), so both run the same kernel."""
+    """x / rms(x) * w. With unit_offset (Gemma) the checkpoint stores w - 1: the loader folds the
+    1 in once, in float32 (fold_unit_offset), and the norm runs in float32 before casting back,
+    as Gemma's reference does ((1 + w) in bfloat16 would round w away)."""
 
     def __init__(self, size: int, eps: float, kernels=reference, unit_offset: bool = False):
         super().__init__()
@@ -64,15 +65,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.kernels = kernels
         self.unit_offset = unit_offset
+        self.folded_weight: torch.Tensor | None = None  # [size] float32, 1 + w
 
     def fold_unit_offset(self) -> None:
         if self.unit_offset:
-            with torch.no_grad():
-                self.weight.add_(1.0)
+            self.folded_weight = self.weight.detach().float() + 1.0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns (norm(x + residual), x + residual)."""
-        return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+        if self.folded_weight is None:
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+        if x.dtype == torch.float32:
+            return self.kernels.rms_norm(x, self.folded_weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+        out, _ = self.kernels.rms_norm(x.float(), self.folded_weight, self.eps)
+        return out.to(x.dtype), x
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
