@@ -15,8 +15,9 @@ import torch
 from safetensors import safe_open
 
 from kernels import native
-from runtime.models.config import ModelConfig, rope_cos_sin_cache
-from runtime.models.llama import LlamaForCausalLM, can_pack
+from runtime.models.config import ModelConfig
+from runtime.models.families import model_class_for
+from runtime.models.layers import can_pack
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -111,12 +112,12 @@ def _drop_quantization_tag(config_path: Path) -> None:
         config_path.write_text(json.dumps(config, indent=2))
 
 
-def load_model(model_dir: Path, config: ModelConfig, dtype, device, backend) -> LlamaForCausalLM:
+def load_model(model_dir: Path, config: ModelConfig, dtype, device, backend):
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend)
+        model = model_class_for(config)(config, backend)
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(_read_safetensors(model_dir))
-    model.cos_sin_cache = rope_cos_sin_cache(config, config.max_position_embeddings).to(device)
+    model.build_rope(device)
     model.greedy_projection = native.greedy_projection_for(torch.device(device), dtype)
     if can_pack(device, dtype):
         model.pack_linears()
