@@ -44,6 +44,7 @@ from gateway.errors import (
     request_id_middleware,
 )
 from gateway.openai import routes as openai_routes
+from gateway.pages import routes as pages
 from gateway.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def create_app(settings: ServeSettings) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     openai_routes.add_routes(app.router)
+    pages.add_tenant_routes(app.router)  # /v1/requests/{id}/timeline, /pages/static/
     app.add_subapp("/admin", admin.create_admin_app())
     return app
 

@@ -22,6 +22,7 @@ from gateway.appkeys import AUTHENTICATOR, ENGINE_CLIENT, METRICS, SERVING_STATE
 from gateway.audit import routes as requests_api
 from gateway.errors import APIError
 from gateway.openapi import AUTH_ERRORS, BEARER_ADMIN, Route, add_routes, build_document
+from gateway.pages import routes as pages
 from gateway.tenancy.keys import looks_like_key
 
 if TYPE_CHECKING:
@@ -276,4 +277,5 @@ def create_admin_app() -> web.Application:
     admin = web.Application(middlewares=[admin_token_middleware()])
     add_routes(admin, ROUTES)
     admin.router.add_get(OPENAPI_PATH, openapi_document)
+    pages.add_admin_routes(admin.router)  # the timeline and console pages (HTML)
     return admin
