@@ -11,7 +11,7 @@ from aiohttp import web
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from gateway.audit.timeline import Cause, Segment, Timeline
-from gateway.pages.layout import draw
+from gateway.pages.layout import Neighbour, draw
 
 STATIC_PREFIX = "/pages/static"
 CONTENT_SECURITY_POLICY = "; ".join(
@@ -62,12 +62,15 @@ def exact_seconds(value: float | None) -> str:
     return f"{value * 1000:.1f} ms" if abs(value) < 1 else f"{value:.3f} s"
 
 
-def timeline_page(timeline: Timeline, *, prefix: str, operator: bool) -> web.Response:
+def timeline_page(
+    timeline: Timeline, neighbours: list[Neighbour], *, prefix: str, operator: bool
+) -> web.Response:
     """`prefix`: "/v1" or "/admin", where this viewer's request links point."""
     return page(
         "timeline.html",
         timeline=timeline,
-        drawing=draw(timeline),
+        drawing=draw(timeline, neighbours),
+        neighbours=neighbours,
         prefix=prefix,
         operator=operator,
         cause_text=cause_text,

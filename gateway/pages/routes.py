@@ -13,12 +13,15 @@ from importlib import resources
 from aiohttp import web
 
 from gateway.appkeys import PRINCIPAL
+from gateway.audit.queries import RequestDetail
 from gateway.audit.records import record_id_of
 from gateway.audit.routes import REQUEST_ID_PATTERN, find_detail
-from gateway.audit.timeline import build_timeline
+from gateway.audit.timeline import Timeline, build_timeline
 from gateway.errors import APIError
+from gateway.pages.layout import Neighbour
 from gateway.pages.render import STATIC_PREFIX, console_page, not_found_page, timeline_page
 
+MAX_NEIGHBOURS = 8  # requests that preempted this one, drawn below it
 STATIC_TYPES = {
     "conveyor.js": "text/javascript",
     "conveyor.css": "text/css",
@@ -65,9 +68,38 @@ async def timeline(
         if error.status != 404:
             raise
         return not_found_page(given_id, prefix=prefix, operator=operator)
+    drawn = timeline_of(detail, viewer)
+    neighbours = await neighbours_of(request, detail, drawn, prefix, tenant_id, viewer)
+    return timeline_page(drawn, neighbours, prefix=prefix, operator=operator)
+
+
+def timeline_of(detail: RequestDetail, viewer: str | None) -> Timeline:
     events = [event.model_dump() for event in detail.events]
-    drawn = build_timeline(detail.record.model_dump(), events, viewer_tenant=viewer)
-    return timeline_page(drawn, prefix=prefix, operator=operator)
+    return build_timeline(detail.record.model_dump(), events, viewer_tenant=viewer)
+
+
+async def neighbours_of(
+    request: web.Request,
+    detail: RequestDetail,
+    drawn: Timeline,
+    prefix: str,
+    tenant_id: int | None,
+    viewer: str | None,
+) -> list[Neighbour]:
+    """The requests that preempted this one and that the viewer may see (an operator: all; a
+    tenant: its own), drawn below it on the same axis, placed by their arrival times."""
+    causes = [s.cause for lane in drawn.lanes for s in lane.segments if s.cause is not None]
+    ids = [c.request_id for c in causes if c.request_id and not c.is_self]
+    neighbours = []
+    for request_id in list(dict.fromkeys(ids))[:MAX_NEIGHBOURS]:
+        try:
+            other = await find_detail(request, request_id, tenant_id)
+        except APIError:
+            continue  # not (yet) in the audit log, or not this tenant's
+        offset = other.record.received_at - detail.record.received_at
+        link = f"{prefix}/requests/{request_id}/timeline"
+        neighbours.append(Neighbour(timeline_of(other, viewer), offset.total_seconds(), link))
+    return neighbours
 
 
 def found_redirect(request: web.Request, prefix: str) -> web.StreamResponse | None:

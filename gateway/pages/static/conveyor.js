@@ -95,7 +95,8 @@
   function spark(id, values) {
     const line = document.getElementById(id);
     const max = Math.max(1, ...values);
-    const points = values.map((v, i) => (i * 300 / (HISTORY - 1)).toFixed(1) + "," + (38 - 36 * v / max).toFixed(1));
+    const first = HISTORY - values.length; // the newest value at the right edge
+    const points = values.map((v, i) => ((first + i) * 300 / (HISTORY - 1)).toFixed(1) + "," + (38 - 36 * v / max).toFixed(1));
     line.setAttribute("points", points.join(" "));
     document.getElementById(id + "-max").textContent = "max " + max.toFixed(max < 10 ? 1 : 0);
   }
@@ -119,7 +120,7 @@
     const steps = engine.steps_per_s;
     setValue("steps-per-s", steps === null ? "" : steps, steps === null ? "–" : steps.toFixed(1));
     const modes = Object.entries(engine.num_preemptions || {}).map(([mode, n]) => mode + " " + n);
-    setValue("preemptions", sumPreemptions(engine), modes.join(" · ") || "0");
+    setValue("preemptions", sumPreemptions(engine), sumPreemptions(engine) + (modes.length ? " (" + modes.join(", ") + ")" : ""));
   }
 
   function showGroups(engine) {
