@@ -73,8 +73,13 @@ def test_the_preemption_names_its_cause_to_an_operator_and_hides_it_from_a_tenan
     assert (segment.cause.priority, segment.cause.tenant) == (0, "acme")
     assert segment.cause.request_id == OTHER and not segment.cause.is_self
     assert [(name, round(a, 3), round(b, 3)) for name, a, b in segment.phases] == [
-        ("out", 3.1, 3.2),
-        ("for kv", 3.2, 3.5),
+        ("swapped out to CPU", 3.1, 3.2),
+        ("waiting for KV cache", 3.2, 3.5),
+    ]
+    gateway = operator.lanes[0].segments[0]
+    assert [(name, round(a, 3), round(b, 3)) for name, a, b in gateway.phases] == [
+        ("reading, tokenizing, checking limits", 0.0, 0.002),
+        ("to the engine", 0.002, 0.004),
     ]
     tenant = build_timeline(audit_record(), SLOW, viewer_tenant="mine")
     hidden = next(s for s in tenant.lanes[0].segments if s.kind == "preempted")

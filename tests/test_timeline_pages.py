@@ -274,6 +274,10 @@ def test_an_operator_sees_the_cause_and_the_request_that_pushed_it_aside(server,
     neighbour = view.page.locator("#timeline g.neighbour")
     assert neighbour.get_attribute("data-request-id") == preempted["urgent_id"]
     assert neighbour.locator(".seg-decode").count() >= 1
+    view.page.locator("#timeline g.subject .seg-preempted").hover()
+    assert "swapped out to CPU" in view.page.locator("#tip").text_content()
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    view.page.screenshot(path=str(IMAGES / "timeline-operator.png"), full_page=True)
     view.page.locator("a.cause-link").click()
     view.page.wait_for_url(f"**/admin/requests/{preempted['urgent_id']}/timeline")
     assert view.page.locator("#request-id").text_content() == preempted["urgent_id"]

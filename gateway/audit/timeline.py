@@ -96,7 +96,7 @@ def build_timeline(
     first_token = first(evs, ev.FIRST_TOKEN)
     first_token_at = first_token.time if first_token else None
     lanes = [
-        lane_of(record, track, explanation, first_token_at, viewer_tenant)
+        lane_of(record, track, explanation, first_token_at, evs)
         for track in tracks
         if record.get("status") != "rejected"
     ]
@@ -136,11 +136,11 @@ def lane_of(
     track: Track,
     explanation: Explanation,
     first_token_at: float | None,
-    viewer: str | None,
+    all_events: list[Ev],
 ) -> Lane:
     delays = [d for d in explanation.delays if d.choice == track.choice]
     first_token_s = None if first_token_at is None else track.at(first_token_at)
-    segments = [delay_segment(record, track, d, viewer) for d in delays]
+    segments = [delay_segment(record, track, d, all_events) for d in delays]
     segments += service_segments(track, segments, first_token_s)
     segments.sort(key=lambda s: (s.start_s, s.kind in SERVICE_KINDS))
     finished = first(track.events, ev.FINISHED)
@@ -161,7 +161,7 @@ def lane_of(
 
 
 def delay_segment(
-    record: Mapping[str, Any], track: Track, delay: Delay, viewer: str | None
+    record: Mapping[str, Any], track: Track, delay: Delay, all_events: list[Ev]
 ) -> Segment:
     end = delay.start_s + delay.duration_s
     segment = Segment(
@@ -170,7 +170,9 @@ def delay_segment(
     )  # fmt: skip
     if delay.cause == ev.PREEMPTED:
         segment.cause = cause_of(record, track, delay.facts)
-        segment.phases = preemption_phases(track, delay.start_s, end)
+        segment.phases = preemption_phases(track, delay.start_s, end, delay.facts.get("mode"))
+    elif delay.cause == "gateway":
+        segment.phases = gateway_phases(all_events, track.received, delay.start_s, end)
     return segment
 
 
@@ -191,16 +193,41 @@ def cause_of(record: Mapping[str, Any], track: Track, facts: Mapping[str, Any]) 
     return Cause(facts.get("by_priority"), facts.get("by_tenant"), request_id, is_self)
 
 
-def preemption_phases(track: Track, start_s: float, end_s: float) -> list[tuple[str, float, float]]:
+WAITING_FOR = {
+    "kv": "waiting for KV cache",
+    "slot": "waiting for a running slot",
+    "behind": "waiting behind the head of the line",
+    "budget": "waiting for room in a step",
+}
+
+
+def preemption_phases(
+    track: Track, start_s: float, end_s: float, mode: str | None
+) -> list[tuple[str, float, float]]:
     """Out of the engine, cut where it began to wait for something to come back."""
     inside = [e for e in track.events if start_s < track.at(e.time) < end_s]
-    cuts = [(start_s, "out")] + [
-        (track.at(e.time), e.kind.removeprefix("waiting_").replace("_", " "))
-        for e in inside
-        if e.kind.startswith("waiting_")
+    first_phase = "swapped out to CPU" if mode == "swap" else "blocks freed, to be recomputed"
+    cuts = [(start_s, first_phase)] + [
+        (track.at(e.time), waiting_name(e.kind)) for e in inside if e.kind.startswith("waiting_")
     ]
     ends = [cut[0] for cut in cuts[1:]] + [end_s]
     return [(name, begin, end) for (begin, name), end in zip(cuts, ends)]
+
+
+def waiting_name(kind: str) -> str:
+    reason = kind.removeprefix("waiting_for_").removeprefix("waiting_")
+    return WAITING_FOR.get(reason, "waiting " + reason.replace("_", " "))
+
+
+def gateway_phases(
+    events: list[Ev], received: float, start_s: float, end_s: float
+) -> list[tuple[str, float, float]]:
+    """Before admission (reading, tokenizing, the tenant's limits), then on to the engine."""
+    admitted = first(events, ev.ADMITTED)
+    if admitted is None or not start_s < admitted.time - received < end_s:
+        return []
+    at = admitted.time - received
+    return [("reading, tokenizing, checking limits", start_s, at), ("to the engine", at, end_s)]
 
 
 def service_segments(

@@ -76,6 +76,7 @@ def timeline_page(
         cause_text=cause_text,
         cause_link=lambda cause: cause_link(cause, prefix),
         hover_times=hover_times,
+        phases_text=phases_text,
     )
 
 
@@ -107,4 +108,10 @@ def hover_times(segment: Segment) -> str:
     return (
         f"+{exact_seconds(segment.start_s)} to +{exact_seconds(segment.end_s)} "
         f"({exact_seconds(segment.duration_s)})"
+    )
+
+
+def phases_text(segment: Segment) -> str:
+    return " · ".join(
+        f"{name}: {exact_seconds(end - begin)}" for name, begin, end in segment.phases
     )

@@ -20,6 +20,7 @@
     const tip = document.getElementById("tip");
     const d = segment.dataset;
     tip.replaceChildren(el("strong", d.label), el("div", d.times, "tip-times"), el("div", d.sentence));
+    if (d.phases) tip.append(el("div", d.phases, "tip-phases"));
     if (d.cause) tip.append(el("div", "caused by " + d.cause, "tip-cause"));
     if (d.tokensPerS) tip.append(el("div", Number(d.tokensPerS).toFixed(1) + " tokens/s", "tip-rate"));
     tip.hidden = false;
