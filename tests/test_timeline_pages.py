@@ -346,6 +346,10 @@ def test_the_console_updates_while_requests_run(server, preempted, pages):
     wait_until(lambda: set(ids) & set(rows(view.page, "#slowest")), what="the recent requests")
     link = view.page.locator(f'#slowest tr[data-request-id="{preempted["low_id"]}"] a')
     assert link.get_attribute("href") == f"/admin/requests/{preempted['low_id']}/timeline"
+    # the last minutes, from the audit log: at least our three requests' tokens and the preemption
+    tokens = float(view.page.locator("#history-tokens").get_attribute("data-total")) * 10
+    assert tokens >= 3 * 48 + 30
+    assert float(view.page.locator("#history-preemptions").get_attribute("data-total")) >= 1
     assert shown and view.errors == []
 
 

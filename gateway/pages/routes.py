@@ -7,6 +7,7 @@ timeline, for the same viewer."""
 
 from __future__ import annotations
 
+import asyncio
 from functools import cache
 from importlib import resources
 
@@ -68,9 +69,10 @@ async def timeline(
         if error.status != 404:
             raise
         return not_found_page(given_id, prefix=prefix, operator=operator)
-    drawn = timeline_of(detail, viewer)
-    neighbours = await neighbours_of(request, detail, drawn, prefix, tenant_id, viewer)
-    return timeline_page(drawn, neighbours, prefix=prefix, operator=operator)
+    # building and rendering a long trail takes milliseconds to tens of them: off the loop
+    drawn = await asyncio.to_thread(timeline_of, detail, viewer)
+    others = await neighbour_details(request, drawn, tenant_id)
+    return await asyncio.to_thread(with_neighbours, detail, drawn, others, prefix, viewer)
 
 
 def timeline_of(detail: RequestDetail, viewer: str | None) -> Timeline:
@@ -78,28 +80,36 @@ def timeline_of(detail: RequestDetail, viewer: str | None) -> Timeline:
     return build_timeline(detail.record.model_dump(), events, viewer_tenant=viewer)
 
 
-async def neighbours_of(
-    request: web.Request,
-    detail: RequestDetail,
-    drawn: Timeline,
-    prefix: str,
-    tenant_id: int | None,
-    viewer: str | None,
-) -> list[Neighbour]:
+async def neighbour_details(
+    request: web.Request, drawn: Timeline, tenant_id: int | None
+) -> list[RequestDetail]:
     """The requests that preempted this one and that the viewer may see (an operator: all; a
-    tenant: its own), drawn below it on the same axis, placed by their arrival times."""
+    tenant: its own; another tenant's request id is not in a tenant's timeline at all)."""
     causes = [s.cause for lane in drawn.lanes for s in lane.segments if s.cause is not None]
     ids = [c.request_id for c in causes if c.request_id and not c.is_self]
-    neighbours = []
+    details = []
     for request_id in list(dict.fromkeys(ids))[:MAX_NEIGHBOURS]:
         try:
-            other = await find_detail(request, request_id, tenant_id)
+            details.append(await find_detail(request, request_id, tenant_id))
         except APIError:
             continue  # not (yet) in the audit log, or not this tenant's
+    return details
+
+
+def with_neighbours(
+    detail: RequestDetail,
+    drawn: Timeline,
+    others: list[RequestDetail],
+    prefix: str,
+    viewer: str | None,
+) -> web.Response:
+    """The page, with the neighbours drawn below on the same axis, placed by arrival time."""
+    neighbours = []
+    for other in others:
         offset = other.record.received_at - detail.record.received_at
-        link = f"{prefix}/requests/{request_id}/timeline"
+        link = f"{prefix}/requests/{other.record.id}/timeline"
         neighbours.append(Neighbour(timeline_of(other, viewer), offset.total_seconds(), link))
-    return neighbours
+    return timeline_page(drawn, neighbours, prefix=prefix, operator=viewer is None)
 
 
 def found_redirect(request: web.Request, prefix: str) -> web.StreamResponse | None:

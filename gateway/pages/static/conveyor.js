@@ -7,6 +7,10 @@
   const REQUESTS_EVERY = 5; // the audit list is read every 5th refresh
   const HISTORY = 180; // refreshes kept for the sparklines (3 minutes at 1 s)
   const MAX_ROWS = 100;
+  const SVG = "http://www.w3.org/2000/svg";
+  const BUCKET_S = 10; // the history's bars
+  const NUM_BUCKETS = 30; // 5 minutes
+  const RECENT_S = 900; // records read for the history and the slowest list
 
   function el(tag, text, className) {
     const node = document.createElement(tag);
@@ -113,7 +117,8 @@
       const seconds = (now - state.last.at) / 1000;
       tokensPerS = seconds > 0 ? tokensGenerated(state.last.engine, engine) / seconds : 0;
       remember(state.tokens, tokensPerS);
-      remember(state.preemptions, Math.max(0, sumPreemptions(engine) - sumPreemptions(state.last.engine)));
+      const preempted = Math.max(0, sumPreemptions(engine) - sumPreemptions(state.last.engine));
+      remember(state.preemptions, seconds > 0 ? preempted / seconds : 0);
       spark("spark-tokens", state.tokens);
       spark("spark-preemptions", state.preemptions);
     }
@@ -170,8 +175,8 @@
     return (Date.parse(record.finished_at) - Date.parse(record.received_at)) / 1000;
   }
 
-  function showSlowest(page) {
-    const done = page.items.filter((r) => totalSeconds(r) !== null);
+  function showSlowest(records) {
+    const done = records.filter((r) => totalSeconds(r) !== null);
     done.sort((a, b) => totalSeconds(b) - totalSeconds(a));
     const rows = done.slice(0, 10).map((r) => {
       const tr = row([timelineLink(r.id), r.status, r.effective_priority, totalSeconds(r).toFixed(2) + " s",
@@ -182,19 +187,63 @@
     document.getElementById("slowest").replaceChildren(...rows);
   }
 
-  async function getJson(path) {
+  function buckets(records, serverNow, valueOf) {
+    const sums = new Array(NUM_BUCKETS).fill(0);
+    for (const r of records) {
+      if (!r.finished_at) continue;
+      const age = (serverNow - Date.parse(r.finished_at)) / 1000;
+      const index = NUM_BUCKETS - 1 - Math.floor(Math.max(age, 0) / BUCKET_S);
+      if (index >= 0) sums[index] += valueOf(r);
+    }
+    return sums;
+  }
+
+  function bars(id, values, text) {
+    const svg = document.getElementById(id);
+    const max = Math.max(...values);
+    const width = 300 / values.length;
+    svg.replaceChildren(...values.map((v, i) => {
+      const bar = document.createElementNS(SVG, "rect");
+      const height = max > 0 ? 38 * v / max : 0;
+      bar.setAttribute("x", (i * width + 0.5).toFixed(1));
+      bar.setAttribute("width", (width - 1).toFixed(1));
+      bar.setAttribute("y", (40 - height).toFixed(1));
+      bar.setAttribute("height", height.toFixed(1));
+      return bar;
+    }));
+    svg.dataset.total = String(values.reduce((a, b) => a + b, 0));
+    document.getElementById(id + "-max").textContent = text(max);
+  }
+
+  function showHistory(records, serverNow) {
+    const tokens = buckets(records, serverNow, (r) => r.completion_tokens || 0);
+    bars("history-tokens", tokens.map((n) => n / BUCKET_S), (max) => "max " + max.toFixed(1) + " tok/s");
+    const preemptions = buckets(records, serverNow, (r) => r.num_preemptions_swap + r.num_preemptions_recompute);
+    bars("history-preemptions", preemptions, (max) => "max " + max + " in 10 s");
+  }
+
+  async function showRecent(serverNow) {
+    const since = new Date(serverNow - RECENT_S * 1000).toISOString();
+    const page = await getJson("/admin/requests?limit=1000&received_after=" + encodeURIComponent(since));
+    showHistory(page.items, serverNow);
+    showSlowest(page.items);
+  }
+
+  async function getJson(path, withDate) {
     const response = await fetch(path, { headers: { Accept: "application/json" }, cache: "no-store" });
     if (!response.ok) throw new Error(path + " answered " + response.status);
-    return response.json();
+    const body = await response.json();
+    // the server's clock (its Date header) places the history, whatever the browser's clock says
+    return withDate ? [body, Date.parse(response.headers.get("Date")) || Date.now()] : body;
   }
 
   async function refresh() {
     const status = document.getElementById("status");
     try {
       const now = Date.now();
-      const engine = await getJson("/admin/engine");
+      const [engine, serverNow] = await getJson("/admin/engine", true);
       showEngine(engine, now);
-      if (state.refreshes % REQUESTS_EVERY === 0) showSlowest(await getJson("/admin/requests?limit=200"));
+      if (state.refreshes % REQUESTS_EVERY === 0) await showRecent(serverNow);
       state.last = { engine: engine, at: now };
       state.refreshes += 1;
       status.dataset.refreshes = String(state.refreshes);
