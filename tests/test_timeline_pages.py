@@ -21,7 +21,14 @@ from pathlib import Path
 
 import pytest
 from test_admin_api import LONG_PROMPT, TINY_KV_ARGS, admin, audit_detail, call, complete
-from test_server_support import ADMIN_TOKEN, MODEL_NAME, ServerProcess, server_env, serving
+from test_server_support import (
+    ADMIN_TOKEN,
+    MODEL_NAME,
+    ServerProcess,
+    server_env,
+    serving,
+    tiny_engine_args,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
@@ -49,8 +56,8 @@ def new_tenant(server, **fields) -> tuple[dict, str]:
     return created.body, key.body["key"]
 
 
-def open_stream(server, key: str, prompt: str, max_tokens: int):
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+def open_stream(server, key: str, prompt: str, max_tokens: int, model: str = MODEL_NAME):
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True}  # fmt: skip
     request = urllib.request.Request(
         server.base_url + "/v1/completions",
@@ -355,3 +362,62 @@ def test_the_console_updates_while_requests_run(server, preempted, pages):
 
 def rows(page, table: str) -> list[str]:
     return [row.get_attribute("data-request-id") for row in page.locator(f"{table} tr").all()]
+
+
+# ---- a hundred at once -------------------------------------------------------------------------
+NUM_CONCURRENT = 100
+
+
+@pytest.fixture(scope="module")
+def busy_server(tmp_path_factory, tiny_model_dir):
+    """The tiny random Llama with room for a hundred running sequences."""
+    workdir = tmp_path_factory.mktemp("timeline-busy")
+    database_url = f"sqlite:///{workdir / 'conveyor.db'}"
+    env = server_env(database_url, None, workdir) | {
+        "CONVEYOR_CREATE_DEMO_TENANT": "false",
+        "CONVEYOR_MAX_WAITING_REQUESTS": "64",
+    }
+    args = tiny_engine_args(tiny_model_dir)
+    args[args.index("--max-num-seqs") + 1] = str(NUM_CONCURRENT + 16)
+    process = ServerProcess(workdir, env, args, database_url).start()
+    with serving(process):
+        yield process
+
+
+def test_the_console_keeps_up_with_a_hundred_concurrent_requests(
+    busy_server, tiny_model_dir, pages
+):
+    _, key = new_tenant(busy_server)
+    view = pages(ADMIN_TOKEN)
+    view.page.goto(f"{busy_server.base_url}/admin/console")
+    status = view.page.locator("#status")
+    wait_until(lambda: int(status.get_attribute("data-refreshes")) >= 1, what="a first refresh")
+    streams = [
+        open_stream(busy_server, key, f"Request number {i}.", 80, tiny_model_dir.name)
+        for i in range(NUM_CONCURRENT)
+    ]  # fmt: skip
+    readers = [threading.Thread(target=stream.read) for stream in streams]
+    for reader in readers:
+        reader.start()
+    try:
+        in_engine = wait_until(
+            lambda: len(rows(view.page, "#sequences")) == NUM_CONCURRENT,
+            what="a hundred sequences on the console",
+        )
+        before = int(status.get_attribute("data-refreshes"))
+        wait_until(
+            lambda: int(status.get_attribute("data-refreshes")) >= before + 2,
+            what="two more refreshes under load",
+        )
+        counted = sum(
+            int(view.page.locator(f"#num-{line}").get_attribute("data-value"))
+            for line in ("waiting", "running", "swapped")
+        )
+        assert counted >= 1 and in_engine
+    finally:
+        for reader in readers:
+            reader.join(timeout=120)
+        for stream in streams:
+            stream.close()
+    assert all(not reader.is_alive() for reader in readers)
+    assert view.errors == []
