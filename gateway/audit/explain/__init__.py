@@ -26,17 +26,26 @@ Must not import: gateway.openai, gateway.admin
 """
 
 from gateway.audit.explain.delays import Delay, Explanation
+from gateway.audit.explain.queue import NEXT_STEP_S
 from gateway.audit.explain.request import ENDINGS, REFUSALS, TRIVIAL_S, explain
+from gateway.audit.explain.tracks import WAIT_KINDS, Ev, first, is_wait, normalise
 from gateway.audit.explain.viewpoint import redact_events, redact_facts
-from gateway.audit.explain.words import offset, plural, seconds, sequence_name
+from gateway.audit.explain.words import joined, offset, plural, seconds, sequence_name
 
 __all__ = [
     "ENDINGS",
+    "NEXT_STEP_S",
     "REFUSALS",
     "TRIVIAL_S",
+    "WAIT_KINDS",
     "Delay",
+    "Ev",
     "Explanation",
     "explain",
+    "first",
+    "is_wait",
+    "joined",
+    "normalise",
     "offset",
     "plural",
     "redact_events",
