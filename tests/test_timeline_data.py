@@ -165,3 +165,13 @@ def test_every_string_is_escaped_and_the_policy_is_strict():
     assert response.headers["X-Content-Type-Options"] == "nosniff"
     missing = render.not_found_page(HOSTILE, prefix="/v1", operator=False)
     assert missing.status == 404 and HOSTILE not in missing.text
+
+
+def test_a_refused_request_gets_a_page_without_a_chart():
+    refused = build_timeline(
+        audit_record(status="rejected", refusal_reason="rpm"),
+        [ev("received", 0.0), ev("refused", 0.01, reason="rpm")],
+    )
+    html = render.timeline_page(refused, [], prefix="/v1", operator=False).text
+    assert 'id="timeline"' not in html and "never reached the engine" in html
+    assert "The request was refused after 10 ms" in html
