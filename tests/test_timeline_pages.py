@@ -8,6 +8,7 @@ installs the browser. The screenshots in docs/images/ are written by these tests
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -127,6 +128,46 @@ class NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
+def basic(secret: str) -> str:
+    return "Basic " + base64.b64encode(f"me:{secret}".encode()).decode()
+
+
+def test_a_browser_without_headers_is_asked_for_the_key_and_only_reads_with_it(server, preempted):
+    low_id, key = preempted["low_id"], preempted["low_key"]
+    for path in (f"/v1/requests/{low_id}/timeline", "/admin/console"):
+        asked = call(server, "GET", path)
+        assert asked.status == 401
+        assert asked.headers["WWW-Authenticate"] == 'Basic realm="Conveyor", charset="UTF-8"'
+    assert "WWW-Authenticate" not in call(server, "GET", f"/v1/requests/{low_id}").headers
+    page = urllib.request.Request(
+        f"{server.base_url}/v1/requests/{low_id}/timeline", headers={"Authorization": basic(key)}
+    )
+    with urllib.request.urlopen(page, timeout=10) as response:
+        assert response.status == 200
+    # Basic, which a browser sends unasked, never spends tokens or changes anything
+    body = json.dumps({"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}).encode()
+    post = urllib.request.Request(
+        f"{server.base_url}/v1/completions",
+        body,
+        {"Authorization": basic(key), "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(post, timeout=10)
+    assert refused.value.code == 401
+    refused.value.close()
+    tenant = admin(server, "POST", "/tenants", {"name": f"t-{uuid.uuid4().hex[:8]}"})
+    assert tenant.status == 201
+    created = urllib.request.Request(
+        f"{server.base_url}/admin/tenants",
+        json.dumps({"name": f"t-{uuid.uuid4().hex[:8]}"}).encode(),
+        {"Authorization": basic(ADMIN_TOKEN), "Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(created, timeout=10)
+    assert refused.value.code == 401
+    refused.value.close()
+
+
 def test_the_static_files_are_served_from_the_package(server):
     script = call(server, "GET", "/pages/static/conveyor.js")
     assert script.status == 200 and script.headers["Content-Type"].startswith("text/javascript")
@@ -171,11 +212,16 @@ def browser():
 
 
 class Page:
-    """A browser page whose requests carry `token`, and every console error and page error."""
+    """A browser page whose requests carry `token`, and every console error and page error.
+    `basic`: as a person's browser would, answering the page's Basic challenge with the token."""
 
-    def __init__(self, browser, token: str) -> None:
-        headers = {"Authorization": f"Bearer {token}"}
-        self.context = browser.new_context(extra_http_headers=headers, viewport=VIEWPORT)
+    def __init__(self, browser, token: str, basic: bool = False) -> None:
+        if basic:
+            credentials = {"username": "me", "password": token}
+            self.context = browser.new_context(http_credentials=credentials, viewport=VIEWPORT)
+        else:
+            headers = {"Authorization": f"Bearer {token}"}
+            self.context = browser.new_context(extra_http_headers=headers, viewport=VIEWPORT)
         self.page = self.context.new_page()
         self.errors: list[str] = []
         self.dialogs: list[str] = []
@@ -199,8 +245,8 @@ class Page:
 def pages(browser):
     opened: list[Page] = []
 
-    def open_page(token: str) -> Page:
-        opened.append(Page(browser, token))
+    def open_page(token: str, basic: bool = False) -> Page:
+        opened.append(Page(browser, token, basic))
         return opened[-1]
 
     yield open_page
@@ -358,6 +404,20 @@ def test_the_console_updates_while_requests_run(server, preempted, pages):
     assert tokens >= 3 * 48 + 30
     assert float(view.page.locator("#history-preemptions").get_attribute("data-total")) >= 1
     assert shown and view.errors == []
+
+
+def test_a_person_opens_the_pages_in_a_plain_browser(server, preempted, pages):
+    """No extension, no header: the browser answers the Basic challenge and the console's
+    own reads of the admin endpoints carry the same credentials."""
+    view = pages(preempted["low_key"], basic=True)
+    response = view.page.goto(f"{server.base_url}/v1/requests/{preempted['low_id']}/timeline")
+    assert response.status == 200
+    assert view.page.locator("#timeline g.subject .seg-preempted").count() == 1
+    console = pages(ADMIN_TOKEN, basic=True)
+    assert console.page.goto(f"{server.base_url}/admin/console").status == 200
+    status = console.page.locator("#status")
+    wait_until(lambda: int(status.get_attribute("data-refreshes")) >= 2, what="two refreshes")
+    assert console.errors == [] and view.errors == []
 
 
 def rows(page, table: str) -> list[str]:
