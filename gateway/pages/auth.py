@@ -3,9 +3,10 @@ with the API key (or the admin token) as the password, any user name. A page ans
 wrong credential with a Basic challenge, so the browser asks once and then sends it with the
 page's own reads (the console's `fetch` of `/admin/engine` and `/admin/requests`).
 
-Basic is taken for GET and HEAD only: a browser sends it without being asked, so a POST from
-another site must never be able to spend a tenant's tokens or change a tenant (CSRF); reads
-are safe, as no other origin can read the answers."""
+Basic is taken only where a page needs it: the pages themselves and the console's two reads,
+and only for GET and HEAD. A browser sends it without being asked, so another site must never
+be able to spend a tenant's tokens or rate limit, or change anything (CSRF); these reads have no
+side effects, and no other origin can read their answers."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from gateway.errors import APIError
 
 CHALLENGE = 'Basic realm="Conveyor", charset="UTF-8"'
 SAFE_METHODS = ("GET", "HEAD")
+CONSOLE_READS = ("/admin/engine", "/admin/requests")
 
 
 def basic_password(request: web.Request) -> str | None:
-    """The password of `Authorization: Basic …` on a GET or HEAD, or None."""
-    if request.method not in SAFE_METHODS:
+    """The password of `Authorization: Basic …` on a page or a console read, or None."""
+    if request.method not in SAFE_METHODS or not takes_basic(request.path):
         return None
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "basic":
@@ -33,6 +35,10 @@ def basic_password(request: web.Request) -> str | None:
         return None
     _, colon, password = decoded.partition(":")
     return password.strip() or None if colon else None
+
+
+def takes_basic(path: str) -> bool:
+    return is_page(path) or path in CONSOLE_READS
 
 
 def is_page(path: str) -> bool:
