@@ -22,6 +22,8 @@ from gateway.appkeys import AUTHENTICATOR, ENGINE_CLIENT, METRICS, SERVING_STATE
 from gateway.audit import routes as requests_api
 from gateway.errors import APIError
 from gateway.openapi import AUTH_ERRORS, BEARER_ADMIN, Route, add_routes, build_document
+from gateway.pages import auth as page_auth
+from gateway.pages import routes as pages
 from gateway.tenancy.keys import looks_like_key
 
 if TYPE_CHECKING:
@@ -34,27 +36,35 @@ OPENAPI_PATH = "/openapi.json"
 def admin_token_middleware():
     @web.middleware
     async def require_admin_token(request: web.Request, handler):
-        tokens = request.config_dict[SETTINGS].admin_tokens
-        if not tokens:
-            raise APIError(403, "The admin API is disabled: no --admin-tokens configured.")
-        given = bearer(request)
-        if given is None:
-            raise APIError(401, "An admin token is required.", code="missing_admin_token")
-        if not is_admin_token(given, tokens):
-            if await is_tenant_key(request, given):
-                raise APIError(
-                    403, "Tenant API keys cannot use the admin API.", code="not_an_admin_token"
-                )
-            raise APIError(401, "A valid admin token is required.", code="invalid_admin_token")
+        try:
+            await check_admin_token(request)
+        except APIError as error:  # a page asks the browser for the token
+            raise page_auth.challenged(request, error) from None
         return await handler(request)
 
     return require_admin_token
 
 
+async def check_admin_token(request: web.Request) -> None:
+    tokens = request.config_dict[SETTINGS].admin_tokens
+    if not tokens:
+        raise APIError(403, "The admin API is disabled: no --admin-tokens configured.")
+    given = bearer(request)
+    if given is None:
+        raise APIError(401, "An admin token is required.", code="missing_admin_token")
+    if not is_admin_token(given, tokens):
+        if await is_tenant_key(request, given):
+            raise APIError(
+                403, "Tenant API keys cannot use the admin API.", code="not_an_admin_token"
+            )
+        raise APIError(401, "A valid admin token is required.", code="invalid_admin_token")
+
+
 def bearer(request: web.Request) -> str | None:
+    """`Bearer <token>`; on a GET or HEAD also Basic with the token as password (the pages)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        return None
+        return page_auth.basic_password(request)
     return token.strip()
 
 
@@ -276,4 +286,5 @@ def create_admin_app() -> web.Application:
     admin = web.Application(middlewares=[admin_token_middleware()])
     add_routes(admin, ROUTES)
     admin.router.add_get(OPENAPI_PATH, openapi_document)
+    pages.add_admin_routes(admin.router)  # the timeline and console pages (HTML)
     return admin
