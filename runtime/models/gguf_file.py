@@ -10,11 +10,8 @@ as 1 + w). What the engine cannot run is refused with a message naming it.
 from __future__ import annotations
 
 import logging
-import math
 import re
-import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -84,122 +81,21 @@ class GGUFError(ValueError):
     pass
 
 
-@dataclass
-class GGUFTensor:
-    """One tensor of the file: its GGUF shape (ne0, the contiguous one, first) and its data as a
-    view of the mapping: [rows, bytes per row] uint8 for a quantized type, else [rows, cols]."""
-
-    name: str
-    tensor_type: gguf.GGMLQuantizationType
-    shape: tuple[int, ...]
-    data: np.ndarray
-
-
-@dataclass
-class GGUFFile:
-    """The metadata (scalars as values; arrays as their length, numeric ones under 4096 also
-    as values) and the tensors of a GGUF file, memory-mapped. gguf-py's GGUFReader parses every
-    array element into a numpy view (10-20 s for a 150k-token vocabulary); this reads only
-    what the engine needs, in well under a second."""
-
-    fields: dict[str, object]
-    tensors: list[GGUFTensor]
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q"}
-_SCALARS |= {11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-def open_gguf(path: Path) -> GGUFFile:
+def open_gguf(path: Path) -> gguf.GGUFReader:
     """The file, memory-mapped (tensors are views of the mapping until materialised)."""
     try:
-        return _Parser(np.memmap(path, dtype=np.uint8, mode="r")).parse()
-    except (ValueError, OSError, struct.error, KeyError) as error:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as error:
         raise GGUFError(f"{path} is not a readable GGUF file: {error}") from error
 
 
-class _Parser:
-    def __init__(self, buffer: np.ndarray) -> None:
-        self.buffer, self.offset = buffer, 0
-
-    def parse(self) -> GGUFFile:
-        if bytes(self.buffer[:4]) != b"GGUF":
-            raise ValueError("no GGUF magic")
-        self.offset = 4
-        version, num_tensors, num_fields = self.read("<I"), self.read("<Q"), self.read("<Q")
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is too old")
-        fields = {self.read_string(): self.read_value() for _ in range(num_fields)}
-        infos = [self.read_tensor_info() for _ in range(num_tensors)]
-        alignment = int(fields.get("general.alignment", 32))
-        start = -(-self.offset // alignment) * alignment
-        return GGUFFile(fields, [self.tensor(start, *info) for info in infos])
-
-    def read(self, fmt: str):
-        (value,) = struct.unpack_from(fmt, self.buffer, self.offset)
-        self.offset += struct.calcsize(fmt)
-        return value
-
-    def read_string(self) -> str:
-        length = self.read("<Q")
-        self.offset += length
-        return bytes(self.buffer[self.offset - length : self.offset]).decode("utf-8", "replace")
-
-    def read_value(self, kind: int | None = None):
-        kind = self.read("<I") if kind is None else kind
-        if kind in _SCALARS:
-            return self.read(_SCALARS[kind])
-        if kind == _STRING:
-            return self.read_string()
-        if kind != _ARRAY:
-            raise ValueError(f"unknown GGUF value type {kind}")
-        item, count = self.read("<I"), self.read("<Q")
-        if item in _SCALARS and count < 4096:
-            return [self.read_value(item) for _ in range(count)]
-        self.skip(item, count)
-        return ArrayLength(count)
-
-    def skip(self, item: int, count: int) -> None:
-        if item in _SCALARS:
-            self.offset += count * struct.calcsize(_SCALARS[item])
-        else:
-            for _ in range(count):
-                self.read_value(item)
-
-    def read_tensor_info(self) -> tuple:
-        name = self.read_string()
-        shape = tuple(self.read("<Q") for _ in range(self.read("<I")))
-        return name, gguf.GGMLQuantizationType(self.read("<I")), shape, self.read("<Q")
-
-    def tensor(self, start: int, name, kind, shape, offset) -> GGUFTensor:
-        block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-        rows = math.prod(shape[1:])
-        row_bytes = shape[0] // block * block_bytes
-        raw = self.buffer[start + offset : start + offset + rows * row_bytes]
-        if kind in _FLOAT_TYPES:
-            data = raw.view(_FLOAT_TYPES[kind]).reshape(*reversed(shape))
-        else:
-            data = raw.reshape(rows, row_bytes) if len(shape) > 1 else raw
-        return GGUFTensor(name, kind, shape, data)
-
-
-class ArrayLength(int):
-    """A metadata array not read into memory: only its length is known."""
-
-
-_FLOAT_TYPES = {
-    gguf.GGMLQuantizationType.F32: np.float32,
-    gguf.GGMLQuantizationType.F16: np.float16,
-}
-
-
-def field(reader: GGUFFile, key: str, default=None):
-    return reader.fields.get(key, default)
+def field(reader: gguf.GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
 
 
 # ---- metadata -> config -----------------------------------------------------------------------
-def hf_config(reader: GGUFFile) -> dict:
+def hf_config(reader: gguf.GGUFReader) -> dict:
     """The HF config.json equivalent of the file's metadata."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -212,10 +108,11 @@ def hf_config(reader: GGUFFile) -> dict:
 
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
     cfg = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
-        "vocab_size": int(field(reader, "tokenizer.ggml.tokens", 0)) or get("vocab_size"),
+        "vocab_size": len(tokens.data) if tokens is not None else get("vocab_size"),
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"),
@@ -244,7 +141,7 @@ def hf_config(reader: GGUFFile) -> dict:
     return cfg
 
 
-def _eos_token_ids(reader: GGUFFile) -> list[int]:
+def _eos_token_ids(reader: gguf.GGUFReader) -> list[int]:
     ids = [
         field(reader, "tokenizer.ggml.eos_token_id"),
         field(reader, "tokenizer.ggml.eot_token_id"),
@@ -252,7 +149,7 @@ def _eos_token_ids(reader: GGUFFile) -> list[int]:
     return sorted({int(i) for i in ids if i is not None})
 
 
-def _rope_scaling(reader: GGUFFile, get) -> dict:
+def _rope_scaling(reader: gguf.GGUFReader, get) -> dict:
     """Linear scaling from the metadata, or llama.cpp's per-frequency factors (`rope_freqs`,
     which a Llama 3 conversion writes in place of its low/high frequency factors)."""
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
@@ -300,7 +197,7 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     return f"model.layers.{layer}.{table[part]}.{kind}"
 
 
-def check_tensor_types(reader: GGUFFile) -> None:
+def check_tensor_types(reader: gguf.GGUFReader) -> None:
     unsupported = sorted(
         {t.tensor_type.name for t in reader.tensors if t.tensor_type not in TENSOR_TYPES}
     )
@@ -308,7 +205,7 @@ def check_tensor_types(reader: GGUFFile) -> None:
         raise GGUFError(f"unsupported GGUF tensor types: {', '.join(unsupported)}")
 
 
-def hf_weights(reader: GGUFFile, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(reader: gguf.GGUFReader, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor [out, in] or [n]) for every weight, one tensor at a time."""
     check_tensor_types(reader)
     arch = cfg["model_type"]
