@@ -15,7 +15,6 @@ from benchmarks.common import (
     progress,
 )
 from benchmarks.workload import SystemRun, Workload
-from runtime.models.loader import transformers_args
 
 
 # ---- transformers ---------------------------------------------------------------------------
@@ -25,9 +24,8 @@ def load_transformers_model(model_dir: Path, dtype: torch.dtype, device: torch.d
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    folder, source = transformers_args(model_dir)
     model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation="sdpa", **source
+        str(model_dir), dtype=dtype, attn_implementation="sdpa"
     )
     return model.to(device).eval()
 

@@ -7,7 +7,6 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.models.loader import transformers_args
 from scheduler.request import SamplingParams
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -27,8 +26,7 @@ def engine() -> Engine:
 def hf_model(engine):
     from transformers import AutoModelForCausalLM
 
-    folder, source = transformers_args(engine.model_dir)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **source).eval()
+    return AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

