@@ -253,7 +253,7 @@ class ModelRunner:
         return next_block <= self.num_gpu_blocks
 
     # ---- start-up measurements for the preemption cost model --------------------------------
-    def measure_prefill_rate(self, num_tokens: int = 256) -> float:
+    def measure_prefill_rate(self, num_tokens: int = 64) -> float:
         """Tokens/s of a prefill on the real model, using a throw-away request on block 0..n."""
         num_tokens = min(num_tokens, self.input_batch.max_model_len - 1)  # the batch's row width
         num_blocks = -(-num_tokens // self.block_size)
