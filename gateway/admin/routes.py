@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from gateway.admin import tenants as tenants_api
 from gateway.appkeys import AUTHENTICATOR, ENGINE_CLIENT, METRICS, SERVING_STATE, SETTINGS
 from gateway.audit import routes as requests_api
+from gateway.audit.ids import split_sequence_id
 from gateway.errors import APIError
 from gateway.openapi import AUTH_ERRORS, BEARER_ADMIN, Route, add_routes, build_document
 from gateway.pages import auth as page_auth
@@ -133,11 +134,10 @@ class EngineState(BaseModel):
 
 
 def sequence_state(sequence: SequenceSnapshot, now: float) -> SequenceState:
-    sequence_id = sequence.sequence_id
-    http_id, _, choice = sequence_id.rpartition("-")
+    parsed = split_sequence_id(sequence.sequence_id)
     return SequenceState(
-        request_id=http_id if choice.isdigit() and http_id else sequence_id,
-        sequence_id=sequence_id,
+        request_id=parsed[0] if parsed else sequence.sequence_id,
+        sequence_id=sequence.sequence_id,
         tenant=sequence.tenant,
         priority=sequence.priority,
         status=sequence.status,

@@ -22,6 +22,7 @@ from pydantic import (
 
 from gateway.appkeys import AUDIT, PRINCIPAL, SESSIONMAKER
 from gateway.audit.explain import explain, redact_events
+from gateway.audit.ids import record_id_of
 from gateway.audit.queries import (
     MAX_PAGE_SIZE,
     AuditEventOut,
@@ -31,7 +32,6 @@ from gateway.audit.queries import (
     get_request,
     list_requests,
 )
-from gateway.audit.records import record_id_of
 from gateway.errors import APIError, bad_request
 
 READ_THROUGH_TIMEOUT_S = 5.0

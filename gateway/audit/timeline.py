@@ -18,7 +18,8 @@ from typing import Any
 from gateway.audit import events as ev
 from gateway.audit.explain import Delay, Explanation, explain, seconds
 from gateway.audit.explain.tracks import Ev, Track, first, normalise, split_sequences
-from gateway.audit.explain.words import GATEWAY_SEQUENCE_ID, plural
+from gateway.audit.explain.words import plural
+from gateway.audit.ids import sequence_id, split_sequence_id
 
 SERVICE_KINDS = ("prefill", "decode")
 
@@ -187,9 +188,9 @@ def label_of(delay: Delay) -> str:
 
 def cause_of(record: Mapping[str, Any], track: Track, facts: Mapping[str, Any]) -> Cause:
     by = facts.get("by")
-    is_self = bool(by) and by == f"{record.get('id')}-{track.choice}"
-    match = GATEWAY_SEQUENCE_ID.match(by or "")
-    request_id = match.group(1) if match else by
+    is_self = bool(by) and by == sequence_id(record.get("id"), track.choice)
+    parsed = split_sequence_id(by)
+    request_id = parsed[0] if parsed else by
     return Cause(facts.get("by_priority"), facts.get("by_tenant"), request_id, is_self)
 
 

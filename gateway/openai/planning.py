@@ -20,6 +20,7 @@ from gateway.appkeys import (
     REQUEST_ID,
     Principal,
 )
+from gateway.audit.ids import sequence_id
 from gateway.errors import (
     bad_request,
     model_not_found,
@@ -66,7 +67,7 @@ class Plan:
 
     def sequence_id(self, choice: int) -> str:
         """The engine request id of one choice."""
-        return f"{self.request_id}-{choice}"
+        return sequence_id(self.request_id, choice)
 
     def mono_to_wall(self, mono: float | None) -> float | None:
         return None if mono is None else self.received_at + (mono - self.received_mono)

@@ -14,8 +14,8 @@ from importlib import resources
 from aiohttp import web
 
 from gateway.appkeys import PRINCIPAL
+from gateway.audit.ids import record_id_of
 from gateway.audit.queries import RequestDetail
-from gateway.audit.records import record_id_of
 from gateway.audit.routes import REQUEST_ID_PATTERN, find_detail
 from gateway.audit.timeline import Timeline, build_timeline
 from gateway.errors import APIError

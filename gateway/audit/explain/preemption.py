@@ -9,6 +9,7 @@ from gateway.audit.explain.delays import Delay
 from gateway.audit.explain.tracks import Ev, Track, first, is_wait
 from gateway.audit.explain.viewpoint import Viewpoint
 from gateway.audit.explain.words import joined, offset, plural, seconds
+from gateway.audit.ids import sequence_id
 
 
 def preemption_delays(view: Viewpoint, seq: Track) -> list[Delay]:
@@ -43,7 +44,7 @@ def preemption(
 
 def cause_text(view: Viewpoint, seq: Track, event: Ev) -> str:
     by, by_tenant = event.data.get("by", ""), event.data.get("by_tenant")
-    if by and by == f"{view.record.get('id')}-{seq.choice}":
+    if by and by == sequence_id(view.record.get("id"), seq.choice):
         return "to make room for itself: it needed another KV block and was the least urgent"
     who = view.request_text(by, by_tenant)
     details = [f"priority {event.data.get('by_priority')}"]

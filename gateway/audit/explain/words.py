@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any
 
-# Engine request ids made by the gateway: "<http request id>-<choice>".
-GATEWAY_SEQUENCE_ID = re.compile(r"^([0-9a-f]{32})-(\d+)$")
+from gateway.audit.ids import split_sequence_id
 
 
 def seconds(value: float) -> str:
@@ -33,8 +31,8 @@ def joined(items: Iterable[Any]) -> str:
 
 def sequence_name(engine_id: str) -> str:
     """The HTTP request id for a gateway sequence id (with its choice when not the first)."""
-    match = GATEWAY_SEQUENCE_ID.match(engine_id or "")
-    if not match:
+    parsed = split_sequence_id(engine_id)
+    if parsed is None:
         return engine_id
-    request_id, choice = match.groups()
-    return request_id if choice == "0" else f"{request_id} (choice {choice})"
+    request_id, choice = parsed
+    return request_id if choice == 0 else f"{request_id} (choice {choice})"
