@@ -93,3 +93,19 @@ def qwen2_config(**overrides):
     from transformers import Qwen2Config
 
     return Qwen2Config(**SMALL, num_hidden_layers=2, tie_word_embeddings=False, **overrides)
+
+
+def llama3_config(**overrides):
+    """Llama 3's rope scaling with a short original context, so that it bends these head_dim 16
+    frequencies (at 8k, as in the real models, it would leave most of them alone)."""
+    from transformers import LlamaConfig
+
+    scaling = {
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return LlamaConfig(**SMALL, num_hidden_layers=2, rope_parameters=scaling, **overrides)
