@@ -192,13 +192,23 @@ def test_mistral_prefix_cache_hit_past_the_window(mistral_dir, prompts, mistral_
     assert extended.output_token_ids == oracle_ids[0]
 
 
-@pytest.mark.parametrize("backend", ["native", "reference"])
+# Gemma 3 under interpreted Triton is left to test_gemma3_equals_transformers: four minutes here
+PREEMPTION_CASES = [
+    (family, backend)
+    for family in ("mistral", "gemma3")
+    for backend in BACKENDS
+    if (family, backend) != ("gemma3", "triton")
+]
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_mistral_preemption_mid_window(mistral_dir, prompts, mistral_oracle, mode, backend):
+@pytest.mark.parametrize("family,backend", PREEMPTION_CASES)
+def test_preemption_mid_window(request, prompts, family, mode, backend):
     """Too few blocks for the batch: long requests are preempted (swapped out or recomputed)
-    with their windows crossing block boundaries, and come back to the same tokens."""
+    with their windows crossing block boundaries, and come back to transformers' tokens."""
+    model_dir = request.getfixturevalue(f"{family}_dir")
     engine = make_engine(
-        mistral_dir,
+        model_dir,
         backend,
         num_kv_blocks=40,
         preemption_mode=mode,
@@ -210,7 +220,7 @@ def test_mistral_preemption_mid_window(mistral_dir, prompts, mistral_oracle, mod
     while engine.has_unfinished():
         engine.step()
     assert engine.scheduler.num_preemptions[mode] > 0
-    ids, _ = hf_oracle(mistral_dir, batch, num_new=24)
+    ids, _ = hf_oracle(model_dir, batch, num_new=24)
     assert [r.output_token_ids for r in requests] == ids
 
 
