@@ -46,9 +46,7 @@ def write_random_model(path: Path, hf_config, seed: int = 0) -> Path:
 
 def copy_tokenizer(path: Path) -> None:
     """SmolLM2's tokenizer files (49,152 ids) into `path`."""
-    from runtime.models.loader import resolve_model
-
-    real = resolve_model(None)
+    real = default_tokenizer_dir()
     for name in TOKENIZER_FILES:
         if (real / name).exists():
             shutil.copy(real / name, path / name)
@@ -109,3 +107,12 @@ def llama3_config(**overrides):
         "original_max_position_embeddings": 64,
     }
     return LlamaConfig(**SMALL, num_hidden_layers=2, rope_parameters=scaling, **overrides)
+
+
+def default_tokenizer_dir() -> Path:
+    """The default model's tokenizer files: its HF directory, or those built from its GGUF
+    where the model loads straight from the file."""
+    from runtime.models import loader
+
+    path = loader.resolve_model(None)
+    return path if path.is_dir() else loader.open_model(None).tokenizer_dir()
