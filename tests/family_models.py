@@ -46,9 +46,7 @@ def write_random_model(path: Path, hf_config, seed: int = 0) -> Path:
 
 def copy_tokenizer(path: Path) -> None:
     """SmolLM2's tokenizer files (49,152 ids) into `path`."""
-    from runtime.models.loader import resolve_model
-
-    real = resolve_model(None)
+    real = default_tokenizer_dir()
     for name in TOKENIZER_FILES:
         if (real / name).exists():
             shutil.copy(real / name, path / name)
@@ -93,3 +91,28 @@ def qwen2_config(**overrides):
     from transformers import Qwen2Config
 
     return Qwen2Config(**SMALL, num_hidden_layers=2, tie_word_embeddings=False, **overrides)
+
+
+def llama3_config(**overrides):
+    """Llama 3's rope scaling with a short original context, so that it bends these head_dim 16
+    frequencies (at 8k, as in the real models, it would leave most of them alone)."""
+    from transformers import LlamaConfig
+
+    scaling = {
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return LlamaConfig(**SMALL, num_hidden_layers=2, rope_parameters=scaling, **overrides)
+
+
+def default_tokenizer_dir() -> Path:
+    """The default model's tokenizer files: its HF directory, or those built from its GGUF
+    where the model loads straight from the file."""
+    from runtime.models import loader
+
+    path = loader.resolve_model(None)
+    return path if path.is_dir() else loader.open_model(None).tokenizer_dir()

@@ -3,13 +3,19 @@ itself: Mistral's sliding window on prompts well past it, on every attention bac
 reference, the native CPU kernels, Triton interpreted), with chunked prefill, prefix-cache hits
 and both preemption modes mid-window; Gemma 3 (local and global layers, q/k norms, (1 + w)
 norms, scaled embeddings, query_pre_attn_scalar, linear rope scaling, logit softcapping); Qwen2
-with q/k/v biases and an untied head."""
+with q/k/v biases and an untied head; Llama 3's rope scaling."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from family_models import gemma3_config, mistral_config, qwen2_config, write_random_model
+from family_models import (
+    gemma3_config,
+    llama3_config,
+    mistral_config,
+    qwen2_config,
+    write_random_model,
+)
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
@@ -186,13 +192,23 @@ def test_mistral_prefix_cache_hit_past_the_window(mistral_dir, prompts, mistral_
     assert extended.output_token_ids == oracle_ids[0]
 
 
-@pytest.mark.parametrize("backend", ["native", "reference"])
+# Gemma 3 under interpreted Triton is left to test_gemma3_equals_transformers: four minutes here
+PREEMPTION_CASES = [
+    (family, backend)
+    for family in ("mistral", "gemma3")
+    for backend in BACKENDS
+    if (family, backend) != ("gemma3", "triton")
+]
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_mistral_preemption_mid_window(mistral_dir, prompts, mistral_oracle, mode, backend):
+@pytest.mark.parametrize("family,backend", PREEMPTION_CASES)
+def test_preemption_mid_window(request, prompts, family, mode, backend):
     """Too few blocks for the batch: long requests are preempted (swapped out or recomputed)
-    with their windows crossing block boundaries, and come back to the same tokens."""
+    with their windows crossing block boundaries, and come back to transformers' tokens."""
+    model_dir = request.getfixturevalue(f"{family}_dir")
     engine = make_engine(
-        mistral_dir,
+        model_dir,
         backend,
         num_kv_blocks=40,
         preemption_mode=mode,
@@ -204,7 +220,7 @@ def test_mistral_preemption_mid_window(mistral_dir, prompts, mistral_oracle, mod
     while engine.has_unfinished():
         engine.step()
     assert engine.scheduler.num_preemptions[mode] > 0
-    ids, _ = hf_oracle(mistral_dir, batch, num_new=24)
+    ids, _ = hf_oracle(model_dir, batch, num_new=24)
     assert [r.output_token_ids for r in requests] == ids
 
 
@@ -226,6 +242,19 @@ def test_qwen2_with_biases_and_untied_head_equals_transformers(qwen2_dir, prompt
     engine = make_engine(qwen2_dir)
     assert engine.runner.model.lm_head is not None
     assert engine.runner.model.layers[0].self_attn.qkv_proj.bias is not None
+    requests = engine.generate(prompts[4:], greedy())
+    assert [r.output_token_ids for r in requests] == oracle_ids
+
+
+def test_llama3_rope_scaling_equals_transformers(tmp_path_factory, prompts):
+    model_dir = _model_dir(tmp_path_factory, "llama3", llama3_config())
+    oracle_ids, oracle_logits = hf_oracle(model_dir, prompts[4:])
+    engine = make_engine(model_dir)
+    assert engine.runner.model_config.rope_scaling["rope_type"] == "llama3"
+    requests, rows = generate_with_logits(make_engine(model_dir, max_num_seqs=1), [prompts[6]])
+    torch.testing.assert_close(
+        torch.stack(rows[requests[0].request_id]), oracle_logits[2], atol=1e-3, rtol=0
+    )
     requests = engine.generate(prompts[4:], greedy())
     assert [r.output_token_ids for r in requests] == oracle_ids
 

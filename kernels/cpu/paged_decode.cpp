@@ -116,9 +116,12 @@ template <typename T, typename Visit>
 inline void for_each_token(const T* cache, const int32_t* table, int64_t first, int64_t seq_len,
                            const Layout& l, float* row, Visit visit) {
   const int64_t width = l.num_kv_heads * l.head_dim;
-  for (int64_t t = first; t < seq_len; ++t) {
-    const T* block = cache + table[t / l.block_size] * l.block_stride;
-    visit(t - first, widen(block + (t % l.block_size) * width, width, row));
+  for (int64_t b = first / l.block_size, start = b * l.block_size; start < seq_len;
+       ++b, start += l.block_size) {
+    const T* block = cache + table[b] * l.block_stride;
+    const int64_t count = std::min(l.block_size, seq_len - start);
+    for (int64_t i = std::max<int64_t>(first - start, 0); i < count; ++i)
+      visit(start + i - first, widen(block + i * width, width, row));
   }
 }
 

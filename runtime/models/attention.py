@@ -93,10 +93,13 @@ class AttentionBackend:
         return decode_plans, prefill_parts
 
     def _plans_of_window(self, attn: AttentionMetadata, window: int | None) -> tuple:
+        """A window longer than every sequence of the step hides nothing: the plain plans."""
         if window is None:
             return attn.decode_plans, attn.prefill_parts
         if window not in attn.windowed_plans:
-            attn.windowed_plans[window] = self._plans(attn, window)
+            hides_keys = window < _longest_seq(attn)
+            plans = self._plans(attn, window) if hides_keys else None
+            attn.windowed_plans[window] = plans or (attn.decode_plans, attn.prefill_parts)
         return attn.windowed_plans[window]
 
     def _decode_plan(
@@ -226,6 +229,11 @@ class AttentionBackend:
             scale,
             sliding_window=window,
         )
+
+
+def _longest_seq(attn: AttentionMetadata) -> int:
+    lens = [attn.decode_seq_lens, attn.prefill_seq_lens]
+    return max((int(x.max()) for x in lens if x.numel()), default=0)
 
 
 def _attend_part(q, k, v, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
