@@ -12,10 +12,12 @@ from it and `GET /admin/openapi.json` is generated from it. Tenants and keys liv
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any
+import typing
+from dataclasses import fields
+from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
 from gateway.admin import tenants as tenants_api
 from gateway.appkeys import AUTHENTICATOR, ENGINE_CLIENT, METRICS, SERVING_STATE, SETTINGS
@@ -26,9 +28,7 @@ from gateway.openapi import AUTH_ERRORS, BEARER_ADMIN, Route, add_routes, build_
 from gateway.pages import auth as page_auth
 from gateway.pages import routes as pages
 from gateway.tenancy.keys import looks_like_key
-
-if TYPE_CHECKING:
-    from runtime.engine_client import SequenceSnapshot
+from runtime.engine_client import SequenceSnapshot
 
 OPENAPI_PATH = "/openapi.json"
 
@@ -85,19 +85,24 @@ async def is_tenant_key(request: web.Request, given: str) -> bool:
 
 
 # ---- live engine -----------------------------------------------------------------------------
-class SequenceState(BaseModel):
-    request_id: str = Field(description="the HTTP request id (x-request-id)")
-    sequence_id: str = Field(description="the engine's id: <request_id>-<choice>")
-    tenant: str
-    priority: int
-    status: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_computed_tokens: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    num_preemptions: int
-    age_s: float = Field(description="seconds since the engine received it")
+def _snapshot_fields() -> dict[str, Any]:
+    """SequenceSnapshot's fields as pydantic field definitions (the engine's clock left out)."""
+    hints = typing.get_type_hints(SequenceSnapshot)
+    return {
+        f.name: (hints[f.name], ...)
+        for f in fields(SequenceSnapshot)
+        if f.name not in ("arrival_time", "sequence_id")
+    }
+
+
+# a running, waiting or swapped sequence: the engine's snapshot of it, and what it means here
+SequenceState = create_model(
+    "SequenceState",
+    request_id=(str, Field(description="the HTTP request id (x-request-id)")),
+    sequence_id=(str, Field(description="the engine's id: <request_id>-<choice>")),
+    age_s=(float, Field(description="seconds since the engine received it")),
+    **_snapshot_fields(),
+)
 
 
 class PoolUsage(BaseModel):
@@ -134,20 +139,13 @@ class EngineState(BaseModel):
 
 
 def sequence_state(sequence: SequenceSnapshot, now: float) -> SequenceState:
+    snapshot = {f.name: getattr(sequence, f.name) for f in fields(SequenceSnapshot)}
+    arrival_time = snapshot.pop("arrival_time")
     parsed = split_sequence_id(sequence.sequence_id)
     return SequenceState(
         request_id=parsed[0] if parsed else sequence.sequence_id,
-        sequence_id=sequence.sequence_id,
-        tenant=sequence.tenant,
-        priority=sequence.priority,
-        status=sequence.status,
-        num_prompt_tokens=sequence.num_prompt_tokens,
-        num_output_tokens=sequence.num_output_tokens,
-        num_computed_tokens=sequence.num_computed_tokens,
-        num_gpu_blocks=sequence.num_gpu_blocks,
-        num_cpu_blocks=sequence.num_cpu_blocks,
-        num_preemptions=sequence.num_preemptions,
-        age_s=max(now - sequence.arrival_time, 0.0),
+        age_s=max(now - arrival_time, 0.0),
+        **snapshot,
     )
 
 
