@@ -262,6 +262,14 @@ class Scheduler(LineAdmission):
                 queue_time=now - request.arrival_time,
                 num_cached_tokens=request.num_cached_prefix_tokens,
             )
+        elif not request.output_token_ids and not request.num_pending_tokens:
+            ev.emit(
+                request,
+                ev.PREFILL_CHUNK,
+                now,
+                num_tokens=num_new,
+                num_computed_tokens=request.num_computed_tokens,
+            )
 
     def _record_wait(self, request: Request, kind: str, now: float, **facts) -> None:
         if request.wait_reason == kind:

@@ -67,6 +67,24 @@ def test_first_token_decode_rate_and_marks():
     assert "its first step computed 150 prompt tokens" in prefill.sentence
 
 
+def test_each_chunk_of_a_long_prompt_is_its_own_prefill_segment():
+    """The scheduler records every later chunk of a prompt (prefill_chunk); the prefill is cut
+    where each began, and each piece says which chunk it was and how many tokens it computed."""
+    chunked = SLOW[:9] + [
+        ev("prefill_chunk", 1.84, 0, num_tokens=512, num_computed_tokens=150),
+        ev("prefill_chunk", 1.87, 0, num_tokens=90, num_computed_tokens=662),
+    ] + SLOW[9:]  # fmt: skip
+    (lane,) = build_timeline(audit_record(), chunked).lanes
+    assert_tiles(lane)
+    prefill = [s for s in lane.segments if s.kind == "prefill"]
+    spans = [(round(s.start_s, 3), round(s.end_s, 3)) for s in prefill]
+    assert spans == [(1.804, 1.84), (1.84, 1.87), (1.87, 1.9)]
+    assert [s.facts["chunk"] for s in prefill] == [1, 2, 3]
+    assert "chunk 1 of 3" in prefill[0].sentence and "150 prompt tokens" in prefill[0].sentence
+    assert "chunk 2 of 3" in prefill[1].sentence and "512 prompt tokens" in prefill[1].sentence
+    assert "90 prompt tokens" in prefill[2].sentence
+
+
 def test_the_preemption_names_its_cause_to_an_operator_and_hides_it_from_a_tenant():
     operator = build_timeline(audit_record(), SLOW)
     segment = next(s for s in operator.lanes[0].segments if s.kind == "preempted")

@@ -7,6 +7,7 @@ from scheduler.events import (  # noqa: F401 (re-exported: the audit trail's eng
     ABORTED,
     FINISHED,
     PREEMPTED,
+    PREFILL_CHUNK,
     PRIORITY_AGED,
     QUEUED,
     RECOMPUTE_STARTED,

@@ -244,10 +244,22 @@ def service_segments(
     lane_end = track.at(track.end)
     if lane_end > cursor:
         gaps.append((cursor, lane_end))
+    chunks = [track.at(e.time) for e in track.events if e.kind == ev.PREFILL_CHUNK]
     segments = []
     for start, end in gaps:
-        segments += split_at_first_token(track.choice, start, end, first_token_s)
+        for segment in split_at_first_token(track.choice, start, end, first_token_s):
+            segments += split_prefill(segment, chunks) if segment.kind == "prefill" else [segment]
     return segments
+
+
+def split_prefill(segment: Segment, chunk_starts: list[float]) -> list[Segment]:
+    """A prefill segment cut where each later chunk of the prompt was scheduled."""
+    cuts = [t for t in chunk_starts if segment.start_s < t < segment.end_s]
+    edges = [segment.start_s, *cuts, segment.end_s]
+    return [
+        Segment("prefill", segment.choice, start, end, "prefill", "")
+        for start, end in zip(edges, edges[1:])
+    ]
 
 
 def split_at_first_token(
@@ -267,30 +279,44 @@ def describe_service(
     segment: Segment, track: Track, num_output: int | None, rate: float | None, decode_s: float
 ) -> None:
     if segment.kind == "prefill":
-        segment.facts = prefill_facts(track)
+        segment.facts = prefill_facts(track, segment)
         segment.sentence = prefill_sentence(segment, segment.facts)
     elif segment.kind == "decode":
         segment.facts = {"num_output_tokens": num_output, "tokens_per_s": rate}
         segment.sentence = decode_sentence(segment, num_output, rate, decode_s)
 
 
-def prefill_facts(track: Track) -> dict[str, Any]:
+def prefill_facts(track: Track, segment: Segment) -> dict[str, Any]:
+    """The facts of the prompt chunk that started this segment (the first: SCHEDULED)."""
     scheduled = first(track.events, ev.SCHEDULED)
     if scheduled is None:
         return {}
-    return {
-        "first_chunk_tokens": scheduled.data.get("num_tokens"),
-        "num_cached_tokens": scheduled.data.get("num_cached_tokens", 0),
-    }
+    chunks = [scheduled] + [e for e in track.events if e.kind == ev.PREFILL_CHUNK]
+    starts = [track.at(e.time) for e in chunks]
+    index = max((i for i, t in enumerate(starts) if t <= segment.start_s + 1e-9), default=0)
+    facts = {"chunk": index + 1, "num_chunks": len(chunks)}
+    if index == 0:
+        facts["first_chunk_tokens"] = scheduled.data.get("num_tokens")
+        facts["num_cached_tokens"] = scheduled.data.get("num_cached_tokens", 0)
+    else:
+        facts["chunk_tokens"] = chunks[index].data.get("num_tokens")
+    return facts
 
 
 def prefill_sentence(segment: Segment, facts: Mapping[str, Any]) -> str:
     text = f"ran the prompt (prefill) for {seconds(segment.duration_s)} on the engine"
+    if facts.get("num_chunks", 1) > 1:
+        text = (
+            f"ran chunk {facts['chunk']} of {facts['num_chunks']} of the prompt (prefill) for "
+            f"{seconds(segment.duration_s)} on the engine"
+        )
     chunk, cached = facts.get("first_chunk_tokens"), facts.get("num_cached_tokens")
     if chunk:
         text += f"; its first step computed {plural(chunk, 'prompt token')}"
     if cached:
         text += f", {cached} more came from the prefix cache"
+    if facts.get("chunk_tokens"):
+        text += f"; this step computed {plural(facts['chunk_tokens'], 'prompt token')}"
     return text
 
 
