@@ -193,3 +193,20 @@ def test_a_refused_request_gets_a_page_without_a_chart():
     html = render.timeline_page(refused, [], prefix="/v1", operator=False).text
     assert 'id="timeline"' not in html and "never reached the engine" in html
     assert "The request was refused after 10 ms" in html
+
+
+def test_the_decode_rate_is_drawn_along_the_decode():
+    """The gateway notes a choice's output count every DECODE_PROGRESS_EVERY tokens; the lane
+    carries the rate between those points and the page draws it as a line with its values."""
+    progress = [
+        ev("decode_progress", 2.22, 0, num_output_tokens=33),  # 32 tokens in 0.32 s
+        ev("decode_progress", 2.86, 0, num_output_tokens=65),  # 32 tokens in 0.64 s
+    ]
+    (lane,) = build_timeline(audit_record(), SLOW + progress).lanes
+    assert [(round(at, 2), round(rate, 1)) for at, rate in lane.rate_points] == [
+        (2.22, 100.0),
+        (2.86, 50.0),
+    ]
+    timeline = build_timeline(audit_record(), SLOW + progress)
+    page = render.timeline_page(timeline, [], prefix="/admin", operator=True).text
+    assert 'class="rate"' in page and 'data-rates="100.00 50.00 "' in page

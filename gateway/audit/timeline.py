@@ -68,6 +68,8 @@ class Lane:
     num_output_tokens: int | None
     decode_s: float
     tokens_per_s: float | None  # after the first token, over the decode segments
+    # (seconds after arrival, tokens/s since the point before): the decode rate along the way
+    rate_points: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -158,7 +160,24 @@ def lane_of(
         num_output,
         decode_s,
         rate,
+        decode_rates(track, first_token_s),
     )
+
+
+def decode_rates(track: Track, first_token_s: float | None) -> list[tuple[float, float]]:
+    """Tokens/s between consecutive progress points (the first token is the first point)."""
+    if first_token_s is None:
+        return []
+    points = [(first_token_s, 1)] + [
+        (track.at(e.time), e.data.get("num_output_tokens", 0))
+        for e in track.events
+        if e.kind == ev.DECODE_PROGRESS
+    ]
+    return [
+        (at, (count - before_count) / (at - before_at))
+        for (before_at, before_count), (at, count) in zip(points, points[1:])
+        if at > before_at and count > before_count
+    ]
 
 
 def delay_segment(

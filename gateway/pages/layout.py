@@ -61,6 +61,7 @@ class Row:
     marks: list[MarkLine] = field(default_factory=list)
     request_id: str | None = None  # set on a neighbour's row
     link: str | None = None
+    rate_line: list[tuple[float, float, float]] = field(default_factory=list)  # (x, y, tok/s)
 
 
 @dataclass
@@ -101,7 +102,19 @@ def own_row(lane: Lane, scale: Scale, index: int) -> Row:
     rate = f"{lane.tokens_per_s:.1f} tok/s" if lane.tokens_per_s is not None else ""
     row = Row(f"choice {lane.choice}", rate, AXIS_HEIGHT + index * LANE_HEIGHT, lane)
     fill_row(row, lane, scale, 0.0)
+    row.rate_line = rate_line(lane, scale, row.y)
     return row
+
+
+def rate_line(lane: Lane, scale: Scale, y: float) -> list[tuple[float, float, float]]:
+    """The decode rate along the lane, drawn inside its bar: the fastest interval at the top."""
+    if len(lane.rate_points) < 2:
+        return []
+    fastest = max(rate for _, rate in lane.rate_points)
+    return [
+        (scale.x(at_s), y + BAR_HEIGHT - 2 - (BAR_HEIGHT - 4) * rate / fastest, rate)
+        for at_s, rate in lane.rate_points
+    ]
 
 
 def neighbour_row(neighbour: Neighbour, lane: Lane, scale: Scale, index: int) -> Row:
