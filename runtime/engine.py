@@ -74,6 +74,21 @@ def prompt_error(
     return None
 
 
+@dataclass(frozen=True)
+class NewRequest:
+    """What a caller asks the engine to run (the gateway through EngineClient.submit)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str | None = None  # None: the engine names it
+    priority: int = 0  # lower = more urgent
+    tenant: str = "default"
+    weight: float = 1.0  # the tenant's fair-share weight
+    # the compiled grammar of params.grammar (EngineClient.prepare_grammar); a constrained
+    # request without one is compiled on the thread that adds it
+    grammar: PreparedGrammar | None = None
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -202,29 +217,24 @@ class Engine:
             raise error
 
     def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        tenant: str = "default",
-        weight: float = 1.0,
-        grammar: PreparedGrammar | None = None,
+        self, prompt_token_ids: list[int], params: SamplingParams | None = None, **fields
     ) -> Request:
-        """grammar: the compiled grammar of params.grammar (EngineClient.prepare_grammar); a
-        constrained request without one is compiled here, on the caller's thread."""
-        params = params or SamplingParams()
-        self.validate(prompt_token_ids, params)
-        request_id = request_id or f"req-{next(_ids)}"
+        """add(NewRequest(prompt_token_ids, params, **fields)): tests and offline use."""
+        return self.add(NewRequest(prompt_token_ids, params or SamplingParams(), **fields))
+
+    def add(self, new: NewRequest) -> Request:
+        params = new.params
+        self.validate(new.prompt_token_ids, params)
+        request_id = new.request_id or f"req-{next(_ids)}"
         if params.grammar is not None:
-            self._admit_grammar(request_id, params, grammar)
+            self._admit_grammar(request_id, params, new.grammar)
         request = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=list(new.prompt_token_ids),
             sampling_params=params,
-            priority=priority,
-            tenant=tenant,
-            weight=weight,
+            priority=new.priority,
+            tenant=new.tenant,
+            weight=new.weight,
             eos_token_ids=self.eos_token_ids,
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
