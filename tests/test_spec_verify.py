@@ -128,6 +128,8 @@ def test_a_seeded_request_gets_the_same_tokens_whatever_the_batch():
     seeded = VerifyRow("s", SamplingParams(temperature=1.0, seed=7), [0, 3])
     alone = RejectionSampler(VOCAB).verify(logits, [seeded])
     other = VerifyRow("o", SamplingParams(temperature=1.0), [2])
-    batched = RejectionSampler(VOCAB).verify(torch.cat([LOGITS.repeat(2, 1), logits]), [other, seeded])
+    batched = RejectionSampler(VOCAB).verify(
+        torch.cat([LOGITS.repeat(2, 1), logits]), [other, seeded]
+    )
     assert batched.token_ids[1] == alone.token_ids[0]
     assert batched.num_accepted[1] == alone.num_accepted[0]

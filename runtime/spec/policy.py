@@ -11,7 +11,9 @@ Step cost: t(rows, tokens) = c0 + c_rows * rows + c_tokens * tokens, fitted onli
 squares over a window of measured steps. Adding drafts adds tokens only (rows are scheduled
 anyway), so the policy raises k one draft at a time where a^j is largest, while goodput grows
 and budget is left. A full batch (no budget) or a costly token (c_tokens large against a^j)
-means k = 0; k = 0 everywhere is no speculation at all.
+means k = 0; k = 0 everywhere is no speculation at all. A row whose acceptance rate is below
+`min_acceptance` gets k = 0 whatever the fit says: the cost model sees only the forward pass,
+not the proposer's and the verifier's host time, and its token slope is noisy near zero.
 """
 
 from __future__ import annotations
@@ -107,7 +109,11 @@ class SpeculationPolicy:
             return ks
         rates = [self.acceptance.rate(row.request_id) for row in rows]
         # max-heap of each row's next draft's expected gain a^(k+1)
-        heap = [(-rate, i) for i, rate in enumerate(rates) if self._cap(rows[i]) > 0]
+        heap = [
+            (-rate, i)
+            for i, rate in enumerate(rates)
+            if rate >= self.min_acceptance and self._cap(rows[i]) > 0
+        ]
         heapq.heapify(heap)
         expected = float(num_rows)  # each scheduled row yields one token without drafts
         best = expected / self.cost.predict(num_rows, num_tokens)
