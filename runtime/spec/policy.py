@@ -90,9 +90,14 @@ class RowCandidate:
 
 class SpeculationPolicy:
     def __init__(
-        self, num_speculative_tokens: int, cost: StepCostModel, acceptance: AcceptanceTracker
+        self,
+        num_speculative_tokens: int,
+        cost: StepCostModel,
+        acceptance: AcceptanceTracker,
+        min_acceptance: float = 0.2,
     ):
         self.num_speculative_tokens = num_speculative_tokens
+        self.min_acceptance = min_acceptance
         self.cost = cost
         self.acceptance = acceptance
 
