@@ -53,6 +53,14 @@ def test_low_acceptance_gives_k_zero():
     ) == [0]
 
 
+def test_a_request_left_at_k_zero_is_probed_again_later():
+    policy = policy_with(0.0, fitted_cost(0.02, 0.00001))
+    row, chosen = RowCandidate("r", 10), []
+    for _ in range(40):
+        chosen.append(policy.choose([row], num_rows=1, num_tokens=1, token_budget_left=100)[0])
+    assert chosen[0] == 0 and max(chosen) > 0
+
+
 def test_a_costly_token_gives_k_zero_even_with_good_acceptance():
     # each extra token costs as much as a whole one-token step: drafting cannot pay
     policy = policy_with(0.75, fitted_cost(0.001, 0.01))

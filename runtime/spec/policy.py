@@ -78,6 +78,13 @@ class AcceptanceTracker:
         accepted, tried = self._trials.get(request_id, (0.0, 0.0))
         return (accepted + self.prior * self.prior_weight) / (tried + self.prior_weight)
 
+    def relax(self, request_id: str) -> None:
+        """A step without drafts: old evidence fades, so the rate drifts back to the prior and a
+        request whose text turned copy-heavy gets probed again."""
+        accepted, tried = self._trials.get(request_id, (0.0, 0.0))
+        if tried:
+            self._trials[request_id] = (self.decay * accepted, self.decay * tried)
+
     def release(self, request_id: str) -> None:
         self._trials.pop(request_id, None)
 
@@ -113,6 +120,9 @@ class SpeculationPolicy:
         if not rows or token_budget_left <= 0 or not self.cost.is_fitted:
             return ks
         rates = [self.acceptance.rate(row.request_id) for row in rows]
+        for row, rate in zip(rows, rates):
+            if rate < self.min_acceptance:
+                self.acceptance.relax(row.request_id)
         # max-heap of each row's next draft's expected gain a^(k+1)
         heap = [
             (-rate, i)
