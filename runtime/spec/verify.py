@@ -90,7 +90,11 @@ class RejectionSampler:
         )
         expanded = [rows[i].params for i in random_rows for _ in range(counts[i])]
         params = param_rows(expanded).to(logits.device)
-        candidates = prepare_candidates(logits[positions], filter_settings(params, self.vocab_size))
+        settings = filter_settings(params, self.vocab_size)
+        # the sampler's plan filters only where some row asks (a full-vocab sort otherwise)
+        settings.is_filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in expanded)
+        settings.all_cut_by_top_k &= settings.is_filtered
+        candidates = prepare_candidates(logits[positions], settings)
         dense = candidates.probs
         if candidates.token_ids is not None:
             dense = torch.zeros(len(expanded), self.vocab_size, device=logits.device).scatter_(
@@ -101,29 +105,32 @@ class RejectionSampler:
         return dict(zip(random_rows, split))
 
     def _rejection_sample(self, p: torch.Tensor, row: VerifyRow) -> tuple[int, list[int]]:
-        """p: [k + 1, vocab] target distributions of one row."""
-        device = p.device
-        drafts = torch.tensor(list(row.draft_token_ids), dtype=torch.long, device=device)
+        """p: [k + 1, vocab] target distributions of one row. Draws k uniforms, then one vocab
+        of Exp(1) noise for the last token (the exponential race, as the sampler draws)."""
+        drafts = torch.tensor(list(row.draft_token_ids), dtype=torch.long, device=p.device)
         k = drafts.shape[0]
-        q = row.draft_probs
-        if q is None:  # prompt lookup: a point mass on each draft
-            q = torch.zeros(k, self.vocab_size, device=device).scatter_(1, drafts[:, None], 1.0)
-        generator = self._generator(row, device)
-        uniforms = torch.rand(k, generator=generator, device=device)
-        noise = torch.empty(k + 1, self.vocab_size, device=device)
-        noise.exponential_(generator=generator)
+        generator = self._generator(row, p.device)
+        uniforms = torch.rand(k, generator=generator, device=p.device)
         target_of_draft = p[:k].gather(1, drafts[:, None]).squeeze(1)  # [k]
-        draft_of_draft = q.gather(1, drafts[:, None]).squeeze(1)  # [k]
-        accepted = uniforms * draft_of_draft < target_of_draft  # u < min(1, p/q)
+        if row.draft_probs is None:  # prompt lookup: q is a point mass, q(d) = 1
+            accepted = uniforms < target_of_draft
+        else:
+            draft_of_draft = row.draft_probs.gather(1, drafts[:, None]).squeeze(1)  # [k]
+            accepted = uniforms * draft_of_draft < target_of_draft  # u < min(1, p / q)
         num_accepted = k if bool(accepted.all()) else int((~accepted).int().argmax())
-        if num_accepted < k:  # reject: draw from norm(max(0, p - q)) at the rejected position
-            residual = (p[num_accepted] - q[num_accepted]).clamp_(min=0)
-            if float(residual.sum()) <= 0:  # p == q: cannot happen on reject, but stay finite
-                residual = p[num_accepted]
-        else:  # all accepted: the bonus token from p after the last draft
-            residual = p[k]
-        last = int((residual / noise[num_accepted].clamp_(min=TINY)).argmax())
+        last_probs = p[k] if num_accepted == k else self._residual(p, row, drafts, num_accepted)
+        noise = torch.empty(self.vocab_size, device=p.device).exponential_(generator=generator)
+        last = int((last_probs / noise.clamp_(min=TINY)).argmax())
         return num_accepted, [*drafts[:num_accepted].tolist(), last]
+
+    def _residual(self, p, row: VerifyRow, drafts, position: int) -> torch.Tensor:
+        """norm(max(0, p - q)) at a rejected position, unnormalised; [vocab]."""
+        if row.draft_probs is None:  # q = one-hot(d): p without d
+            return p[position].index_fill(0, drafts[position : position + 1], 0.0)
+        residual = (p[position] - row.draft_probs[position]).clamp_(min=0)
+        if float(residual.sum()) <= 0:  # p == q: a reject is then impossible; stay finite
+            return p[position]
+        return residual
 
     def _generator(self, row: VerifyRow, device: torch.device) -> torch.Generator:
         """A seeded request's own generator (same seed, same tokens whatever the batch)."""
