@@ -1,0 +1,150 @@
+"""The "never a loss" policy: each step, choose every row's k (0 included) to maximise goodput,
+the expected tokens per second (SmartSpec, arXiv 2406.14066), from each request's measured
+acceptance and the engine's measured step cost, under the token budget left after every normal
+token is scheduled.
+
+Acceptance: per request, a moving average of the per-draft acceptance rate a (accepted drafts
+over drafts tried until the first rejection). With k drafts a row yields in expectation
+1 + a + a^2 + ... + a^k tokens, so the j-th draft adds a^j.
+
+Step cost: t(rows, tokens) = c0 + c_rows * rows + c_tokens * tokens, fitted online by least
+squares over a window of measured steps. Adding drafts adds tokens only (rows are scheduled
+anyway), so the policy raises k one draft at a time where a^j is largest, while goodput grows
+and budget is left. A full batch (no budget) or a costly token (c_tokens large against a^j)
+means k = 0; k = 0 everywhere is no speculation at all. A row whose acceptance rate is below
+`min_acceptance` gets k = 0 whatever the fit says: the cost model sees only the forward pass,
+not the proposer's and the verifier's host time, and its token slope is noisy near zero.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class StepCostModel:
+    """Measured seconds per step as a linear function of (rows, tokens), refit on demand."""
+
+    def __init__(self, window: int = 256, min_samples: int = 8):
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self._coefficients: np.ndarray | None = None
+
+    def observe(self, num_rows: int, num_tokens: int, seconds: float) -> None:
+        self.samples.append((num_rows, num_tokens, seconds))
+        self._coefficients = None
+
+    @property
+    def is_fitted(self) -> bool:
+        return len(self.samples) >= self.min_samples
+
+    def coefficients(self) -> np.ndarray:
+        """-> [c0, c_rows, c_tokens], none negative (a cost never falls as work grows)."""
+        if self._coefficients is None:
+            data = np.array(self.samples, dtype=np.float64)  # [num_samples, 3]
+            design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+            fit, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
+            self._coefficients = np.maximum(fit, 0.0)
+        return self._coefficients
+
+    def predict(self, num_rows: int, num_tokens: int) -> float:
+        c0, c_rows, c_tokens = self.coefficients()
+        return float(c0 + c_rows * num_rows + c_tokens * num_tokens)
+
+
+class AcceptanceTracker:
+    """Per request, a moving average of the per-draft acceptance rate."""
+
+    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9):
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self._trials: dict[str, tuple[float, float]] = {}  # request id -> (accepted, tried)
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        """A verified row: its drafts were tried up to and including the first rejection."""
+        if num_drafted == 0:
+            return
+        accepted, tried = self._trials.get(request_id, (0.0, 0.0))
+        num_tried = num_accepted + (num_accepted < num_drafted)
+        self._trials[request_id] = (
+            self.decay * accepted + num_accepted,
+            self.decay * tried + num_tried,
+        )
+
+    def rate(self, request_id: str) -> float:
+        accepted, tried = self._trials.get(request_id, (0.0, 0.0))
+        return (accepted + self.prior * self.prior_weight) / (tried + self.prior_weight)
+
+    def relax(self, request_id: str) -> None:
+        """A step without drafts: old evidence fades, so the rate drifts back to the prior and a
+        request whose text turned copy-heavy gets probed again."""
+        accepted, tried = self._trials.get(request_id, (0.0, 0.0))
+        if tried:
+            self._trials[request_id] = (self.decay * accepted, self.decay * tried)
+
+    def release(self, request_id: str) -> None:
+        self._trials.pop(request_id, None)
+
+
+@dataclass(frozen=True)
+class RowCandidate:
+    request_id: str
+    max_k: int  # the most drafts this row may take (num_speculative_tokens, max_tokens left)
+
+
+class SpeculationPolicy:
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        cost: StepCostModel,
+        acceptance: AcceptanceTracker,
+        min_acceptance: float = 0.2,
+    ):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.min_acceptance = min_acceptance
+        self.cost = cost
+        self.acceptance = acceptance
+
+    def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        self.acceptance.observe(request_id, num_drafted, num_accepted)
+
+    def choose(
+        self, rows: Sequence[RowCandidate], num_rows: int, num_tokens: int, token_budget_left: int
+    ) -> list[int]:
+        """rows: the decoding rows that may speculate; num_rows, num_tokens: the step as
+        scheduled without drafts. -> k per row, maximising expected tokens per second."""
+        ks = [0] * len(rows)
+        if not rows or token_budget_left <= 0 or not self.cost.is_fitted:
+            return ks
+        rates = [self.acceptance.rate(row.request_id) for row in rows]
+        for row, rate in zip(rows, rates):
+            if rate < self.min_acceptance:
+                self.acceptance.relax(row.request_id)
+        # max-heap of each row's next draft's expected gain a^(k+1)
+        heap = [
+            (-rate, i)
+            for i, rate in enumerate(rates)
+            if rate >= self.min_acceptance and self._cap(rows[i]) > 0
+        ]
+        heapq.heapify(heap)
+        expected = float(num_rows)  # each scheduled row yields one token without drafts
+        best = expected / self.cost.predict(num_rows, num_tokens)
+        extra = 0
+        while heap and extra < token_budget_left:
+            negative_gain, i = heapq.heappop(heap)
+            goodput = (expected - negative_gain) / self.cost.predict(
+                num_rows, num_tokens + extra + 1
+            )
+            if goodput <= best:
+                break  # gains only shrink from here
+            expected, best, extra = expected - negative_gain, goodput, extra + 1
+            ks[i] += 1
+            if ks[i] < self._cap(rows[i]):
+                heapq.heappush(heap, (negative_gain * rates[i], i))
+        return ks
+
+    def _cap(self, row: RowCandidate) -> int:
+        return min(self.num_speculative_tokens, row.max_k)

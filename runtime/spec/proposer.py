@@ -1,0 +1,74 @@
+"""N-gram prompt lookup: propose the tokens that followed the most recent earlier occurrence of
+the longest suffix n-gram of a row's history (ngram_max down to ngram_min). No second model.
+
+One pass per row in numpy: the positions holding the last token are the only candidates; a few
+vectorised compares extend each candidate's match backwards up to ngram_max tokens. Cost is one
+comparison over the history plus work per candidate, microseconds at thousands of tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    ngram_min: int = 1  # --ngram-min
+    ngram_max: int = 4  # --ngram-max
+    num_speculative_tokens: int = 5  # --num-speculative-tokens: the largest k
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+
+
+class NgramProposer:
+    def __init__(self, config: NgramConfig):
+        self.config = config
+
+    def propose(self, histories: Sequence[np.ndarray], ks: Sequence[int]) -> list[np.ndarray]:
+        """histories[i]: row i's token ids (prompt + output) as int array; ks[i]: its chosen k.
+        -> per row up to min(k, num_speculative_tokens) draft ids (empty: no match or k = 0)."""
+        assert len(histories) == len(ks)
+        cap = self.config.num_speculative_tokens
+        return [self.propose_one(h, min(k, cap)) for h, k in zip(histories, ks)]
+
+    def propose_one(self, history: np.ndarray, k: int) -> np.ndarray:
+        history = np.asarray(history)
+        start = self.match_start(history) if k > 0 else -1
+        if start < 0:
+            return history[:0]
+        return history[start : start + k]
+
+    def match_start(self, history: np.ndarray) -> int:
+        """Where the draft begins (the position after the matched n-gram), or -1: no match."""
+        n_min, n_max = self.config.ngram_min, self.config.ngram_max
+        length = history.shape[0]
+        if length <= n_min:
+            return -1
+        # candidate ends j < length - 1 with history[j] == last token
+        ends = np.flatnonzero(history[: length - 1] == history[length - 1])
+        if ends.size == 0:
+            return -1
+        match_len = np.ones(ends.shape[0], dtype=np.int64)
+        alive = np.ones(ends.shape[0], dtype=bool)
+        for back in range(1, n_max):
+            alive &= ends >= back
+            alive[alive] = history[ends[alive] - back] == history[length - 1 - back]
+            if not alive.any():
+                break
+            match_len += alive
+        best = int(match_len.max())
+        if best < n_min:
+            return -1
+        # most recent end among the longest matches
+        return int(ends[np.flatnonzero(match_len == best)[-1]]) + 1

@@ -1,0 +1,114 @@
+"""The never-a-loss policy: k = 0 when acceptance is low or the batch is full, larger k when
+acceptance is high and a token costs little next to a step; plus the stats counters."""
+
+import pytest
+
+from runtime.spec.policy import AcceptanceTracker, RowCandidate, SpeculationPolicy, StepCostModel
+from runtime.spec.stats import NUM_ACCEPTED_TOKENS_PER_POS, NUM_DRAFTS, SpecDecodeStats
+
+
+def fitted_cost(step_seconds, per_token_seconds):
+    """A cost model fed measured steps of t = step_seconds + per_token_seconds * tokens."""
+    cost = StepCostModel()
+    for rows, tokens in [(1, 1), (2, 2), (4, 4), (4, 40), (8, 8), (8, 100), (16, 16), (1, 64)]:
+        cost.observe(rows, tokens, step_seconds + per_token_seconds * tokens)
+    return cost
+
+
+def policy_with(rate, cost, k=5):
+    tracker = AcceptanceTracker()
+    policy = SpeculationPolicy(k, cost, tracker)
+    for _ in range(30):  # a request whose drafts are accepted at `rate` per draft
+        accepted = round(rate * 4)
+        policy.observe("r", 4, accepted)
+    return policy
+
+
+def test_the_cost_model_recovers_a_linear_step_cost():
+    cost = fitted_cost(0.02, 0.001)
+    assert cost.predict(4, 10) == pytest.approx(0.03, rel=1e-6)
+
+
+def test_the_acceptance_rate_follows_what_is_measured():
+    tracker = AcceptanceTracker(prior=0.5)
+    assert tracker.rate("new") == 0.5
+    for _ in range(30):
+        tracker.observe("good", 4, 4)
+        tracker.observe("bad", 4, 0)
+    assert tracker.rate("good") > 0.9
+    assert tracker.rate("bad") < 0.1
+
+
+def test_high_acceptance_and_a_flat_step_cost_give_the_largest_k():
+    policy = policy_with(1.0, fitted_cost(0.02, 0.00001))
+    assert policy.choose(
+        [RowCandidate("r", 10)], num_rows=1, num_tokens=1, token_budget_left=100
+    ) == [5]
+
+
+def test_low_acceptance_gives_k_zero():
+    policy = policy_with(0.0, fitted_cost(0.02, 0.00001))
+    assert policy.choose(
+        [RowCandidate("r", 10)], num_rows=1, num_tokens=1, token_budget_left=100
+    ) == [0]
+
+
+def test_a_request_left_at_k_zero_is_probed_again_later():
+    policy = policy_with(0.0, fitted_cost(0.02, 0.00001))
+    row, chosen = RowCandidate("r", 10), []
+    for _ in range(40):
+        chosen.append(policy.choose([row], num_rows=1, num_tokens=1, token_budget_left=100)[0])
+    assert chosen[0] == 0 and max(chosen) > 0
+
+
+def test_a_costly_token_gives_k_zero_even_with_good_acceptance():
+    # each extra token costs as much as a whole one-token step: drafting cannot pay
+    policy = policy_with(0.75, fitted_cost(0.001, 0.01))
+    assert policy.choose(
+        [RowCandidate("r", 10)], num_rows=8, num_tokens=8, token_budget_left=100
+    ) == [0]
+
+
+def test_a_full_batch_gives_k_zero():
+    policy = policy_with(1.0, fitted_cost(0.02, 0.00001))
+    assert policy.choose(
+        [RowCandidate("r", 10)], num_rows=64, num_tokens=64, token_budget_left=0
+    ) == [0]
+
+
+def test_the_budget_left_bounds_the_drafts_and_goes_to_the_best_rows():
+    tracker = AcceptanceTracker()
+    for _ in range(30):
+        tracker.observe("good", 4, 4)
+        tracker.observe("fair", 4, 2)
+    policy = SpeculationPolicy(5, fitted_cost(0.02, 0.00001), tracker)
+    rows = [RowCandidate("fair", 10), RowCandidate("good", 10)]
+    ks = policy.choose(rows, num_rows=2, num_tokens=2, token_budget_left=4)
+    assert sum(ks) == 4 and ks[1] == 4
+
+
+def test_a_row_near_its_max_tokens_gets_no_more_drafts_than_it_can_use():
+    policy = policy_with(1.0, fitted_cost(0.02, 0.00001))
+    assert policy.choose(
+        [RowCandidate("r", 2)], num_rows=1, num_tokens=1, token_budget_left=100
+    ) == [2]
+
+
+def test_no_speculation_before_the_cost_model_has_measurements():
+    policy = SpeculationPolicy(5, StepCostModel(), AcceptanceTracker(prior=0.9))
+    assert policy.choose(
+        [RowCandidate("r", 10)], num_rows=1, num_tokens=1, token_budget_left=100
+    ) == [0]
+
+
+def test_stats_count_drafts_and_accepted_tokens_per_position():
+    stats = SpecDecodeStats(num_speculative_tokens=3)
+    stats.record(3, 2)
+    stats.record(2, 0)
+    stats.record(0, 0)  # k = 0: not a draft
+    snapshot = stats.snapshot()
+    assert snapshot[NUM_DRAFTS] == 2
+    assert snapshot[NUM_ACCEPTED_TOKENS_PER_POS] == [1, 1, 0]
+    assert stats.acceptance_rate == pytest.approx(2 / 5)
+    assert stats.mean_accepted_length == pytest.approx(2.0)
+    assert stats.num_drafts_per_k == {3: 1, 2: 1}

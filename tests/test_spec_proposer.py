@@ -1,0 +1,83 @@
+"""The n-gram prompt-lookup proposer on crafted histories."""
+
+import numpy as np
+import pytest
+
+from runtime.spec.proposer import NgramConfig, NgramProposer
+
+
+def propose(history, k, ngram_min=1, ngram_max=3, cap=5):
+    proposer = NgramProposer(NgramConfig(ngram_min, ngram_max, cap))
+    return proposer.propose([np.array(history)], [k])[0].tolist()
+
+
+def test_the_tokens_after_the_matched_ngram_are_proposed():
+    assert propose([1, 2, 3, 4, 5, 9, 2, 3], k=3) == [4, 5, 9]
+
+
+def test_no_match_proposes_nothing():
+    assert propose([1, 2, 3, 4, 5], k=3) == []
+
+
+def test_the_longest_ngram_wins_over_a_more_recent_shorter_one():
+    # suffix [7, 8, 3]: a 3-gram match at position 0, only the 1-gram "3" later at position 5
+    history = [7, 8, 3, 10, 11, 3, 20, 21, 7, 8, 3]
+    assert propose(history, k=2) == [10, 11]
+
+
+def test_among_equally_long_matches_the_most_recent_wins():
+    history = [5, 6, 1, 5, 6, 2, 5, 6]
+    assert propose(history, k=1, ngram_min=2, ngram_max=2) == [2]
+
+
+def test_ngram_min_rejects_shorter_matches():
+    history = [1, 2, 4, 5, 9, 2]  # only the 1-gram [2] matches
+    assert propose(history, k=2, ngram_min=1) == [4, 5]
+    assert propose(history, k=2, ngram_min=2) == []
+
+
+def test_ngram_max_bounds_the_match_length():
+    # with ngram_max = 1 only the last token counts: the most recent "3" is at position 5
+    history = [7, 8, 3, 10, 11, 3, 20, 21, 7, 8, 3]
+    assert propose(history, k=2, ngram_max=1) == [20, 21]
+
+
+def test_k_is_capped_by_the_request_and_by_num_speculative_tokens():
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    assert propose(history, k=2) == [3, 4]
+    assert propose(history, k=10, cap=4) == [3, 4, 5, 6]
+    assert propose(history, k=0) == []
+
+
+def test_a_draft_stops_at_the_end_of_the_history():
+    assert propose([4, 4], k=5) == [4]
+
+
+def test_a_batch_gets_one_draft_per_row():
+    proposer = NgramProposer(NgramConfig(1, 3, 4))
+    histories = [np.array([1, 2, 3, 1]), np.array([9, 8]), np.array([5, 6, 5])]
+    drafts = proposer.propose(histories, [2, 2, 0])
+    assert [d.tolist() for d in drafts] == [[2, 3], [], []]
+
+
+def test_a_long_history_matches_like_a_python_scan():
+    rng = np.random.default_rng(0)
+    history = rng.integers(0, 20, size=3000)
+    proposer = NgramProposer(NgramConfig(2, 4, 5))
+    got = proposer.propose_one(history, 5).tolist()
+    assert got == slow_lookup(history.tolist(), 2, 4, 5)
+
+
+def slow_lookup(history, n_min, n_max, k):
+    for n in range(n_max, n_min - 1, -1):
+        suffix = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == suffix:
+                return history[start + n : start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("bad", [(0, 2, 3), (3, 2, 3), (1, 2, 0)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        NgramConfig(*bad)
