@@ -8,14 +8,13 @@ import torch
 from runtime.sampling.ops import Candidates, apply_penalty_inputs, top_k_top_p_candidates_of
 from runtime.sampling.plan import (
     GroupIndices,
-    RandomGroup,
     SamplerOutput,
     SamplingIndices,
+    filter_settings,
     padded_token_ids,
     param_rows,
     penalty_inputs,
     plan_sampling,
-    settings_of,
     unpack,
 )
 from runtime.sampling.sampler import Sampler
@@ -74,16 +73,4 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
 def top_k_top_p_candidates(probs: torch.Tensor, all_params: list[SamplingParams]) -> Candidates:
     """Top-k then top-p over probs [num_rows, vocab], each row with its own params."""
     params = param_rows(all_params).to(probs.device)
-    top_ks = params[:, 1]
-    vocab_size = probs.shape[1]
-    cutting = (top_ks > 0) & (top_ks < vocab_size)
-    group = RandomGroup(
-        covers_all=True,
-        num_unseeded=0,
-        seeded=[],
-        is_filtered=True,
-        max_cutting_top_k=int(top_ks[cutting].max()) if bool(cutting.any()) else 1,
-        all_cut_by_top_k=bool(cutting.all()),
-        any_min_p=bool((params[:, 3] > 0).any()),
-    )
-    return top_k_top_p_candidates_of(probs, settings_of(params, group, vocab_size))
+    return top_k_top_p_candidates_of(probs, filter_settings(params, probs.shape[1]))

@@ -153,6 +153,23 @@ def settings_of(params: torch.Tensor, group: RandomGroup, vocab_size: int) -> Fi
     )
 
 
+def filter_settings(params: torch.Tensor, vocab_size: int) -> FilterSettings:
+    """Settings of rows all filtered, facts read from the rows themselves (the speculative
+    verifier, whose rows are not grouped by a plan)."""
+    top_ks = params[:, TOP_K]
+    cutting = (top_ks > 0) & (top_ks < vocab_size)
+    group = RandomGroup(
+        covers_all=True,
+        num_unseeded=0,
+        seeded=[],
+        is_filtered=True,
+        max_cutting_top_k=int(top_ks[cutting].max()) if bool(cutting.any()) else 1,
+        all_cut_by_top_k=bool(cutting.all()),
+        any_min_p=bool((params[:, MIN_P] > 0).any()),
+    )
+    return settings_of(params, group, vocab_size)
+
+
 def penalty_inputs(
     params: torch.Tensor, rows: torch.Tensor, prompt_ids: torch.Tensor, output_ids: torch.Tensor
 ) -> PenaltyInputs:
