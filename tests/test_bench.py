@@ -28,16 +28,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from runtime.models.loader import resolve_model
+    from runtime.models.source import open_model
 
-    source = resolve_model(None)
+    default = open_model(None)
+    source = default.tokenizer_dir()
     target = tmp_path_factory.mktemp("tiny-llama")
-    vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]
+    vocab_size = default.hf_config["vocab_size"]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **TINY_LLAMA))
     model.save_pretrained(target)
     for path in source.iterdir():
-        if path.name != "config.json" and path.suffix != ".safetensors":
+        if path.name != "generation_config.json":
             shutil.copy(path, target / path.name)
     return target
 

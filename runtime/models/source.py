@@ -167,3 +167,9 @@ def build_gguf_tokenizer(source: ModelSource, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
     eos = source.hf_config.get("eos_token_id") or []
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+
+
+def tokenizer_files_dir(model: str | os.PathLike | None = None) -> Path:
+    """A directory with `model`'s tokenizer files (default: SmolLM2's), e.g. to give a random
+    test model a real tokenizer."""
+    return open_model(model).tokenizer_dir()
