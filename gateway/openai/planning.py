@@ -218,6 +218,13 @@ async def completion_prompts(engine, body: CompletionRequest) -> list[list[int]]
 
 
 async def chat_prompt(engine, body: ChatCompletionRequest) -> list[int]:
+    if not engine.tokenizer.has_chat_template:
+        raise bad_request(
+            f"The model {engine.info.model_name!r} has no chat template (a base model): "
+            "use /v1/completions.",
+            param="model",
+            code="model_has_no_chat_template",
+        )
     messages = template_messages(body)
     try:
         return await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)

@@ -54,11 +54,15 @@ class Tokenizer:
             clean_up_tokenization_spaces=False,  # context-free, so windows decode consistently
         )
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf_tokenizer, "chat_template", None))
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True
     ) -> list[int]:
         """Render the chat template to text, then encode it (the template holds the specials)."""
-        if not getattr(self.hf_tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             raise ValueError(f"tokenizer {self.hf_tokenizer.name_or_path!r} has no chat template")
         validate_messages(messages)
         try:
