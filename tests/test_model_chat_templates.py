@@ -71,3 +71,48 @@ def test_qwen_chat_is_its_own_chatml_from_the_gguf():
     assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
     assert text.endswith("<|im_start|>user\nReverse a string.<|im_end|>\n<|im_start|>assistant\n")
     assert "tools" in tokenizer.hf_tokenizer.chat_template  # the template renders tool specs
+
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def qwen_client(tmp_path_factory):
+    pull(QWEN)
+    workdir = tmp_path_factory.mktemp("qwen-server")
+    database_url = f"sqlite:///{workdir / 'conveyor.db'}"
+    args = ["--model", QWEN, "--dtype", "float32", "--kv-cache-memory", "64MiB",
+            "--max-num-seqs", "4", "--max-model-len", "2048"]  # fmt: skip
+    server = ServerProcess(workdir, server_env(database_url, None, workdir), args, database_url)
+    with serving(server):
+        key = create_tenant_with_key(database_url, "qwen-tenant")
+        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.mark.real_model
+def test_qwen_serves_the_readme_example_and_a_tool_call(qwen_client):
+    assert qwen_client.models.list().data[0].id == QWEN
+    messages = [{"role": "user", "content": "Say hello in French."}]
+    answer = qwen_client.chat.completions.create(model=QWEN, messages=messages, max_tokens=16)
+    assert answer.choices[0].message.content.strip()
+    asked = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    called = qwen_client.chat.completions.create(
+        model=QWEN, messages=asked, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=48
+    )
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] == "Paris"

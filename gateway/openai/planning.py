@@ -30,7 +30,13 @@ from gateway.openai.schemas import (
     CompletionRequest,
     SamplingFields,
 )
-from gateway.openai.structured import GrammarPlan, grammar_spec, prepare, template_messages
+from gateway.openai.structured import (
+    GrammarPlan,
+    grammar_spec,
+    prepare,
+    template_messages,
+    template_tools,
+)
 from runtime.engine_client import EngineInfo
 from scheduler.request import GrammarSpec, SamplingParams, SamplingParamsError
 
@@ -225,9 +231,11 @@ async def chat_prompt(engine, body: ChatCompletionRequest) -> list[int]:
             param="model",
             code="model_has_no_chat_template",
         )
-    messages = template_messages(body)
+    own_tools = engine.tokenizer.template_renders_tools  # Qwen's: its own "# Tools" section
+    messages = template_messages(body, own_tools)
+    tools = template_tools(body) if own_tools else None
     try:
-        return await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
+        return await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages, True, tools)
     except ValueError as error:
         raise bad_request(str(error), param="messages") from None
 

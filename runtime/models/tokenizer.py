@@ -58,8 +58,13 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf_tokenizer, "chat_template", None))
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """The chat template lays out tool definitions itself (Qwen's ChatML does)."""
+        return self.has_chat_template and "tools" in self.hf_tokenizer.chat_template
+
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self, messages: list[dict], add_generation_prompt: bool = True, tools=None
     ) -> list[int]:
         """Render the chat template to text, then encode it (the template holds the specials)."""
         if not self.has_chat_template:
@@ -67,7 +72,7 @@ class Tokenizer:
         validate_messages(messages)
         try:
             text = self.hf_tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"chat template failed on these messages: {error}") from error
