@@ -25,6 +25,7 @@ from gguf.quants import dequantize
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+DEQUANTIZE_CHUNK_BYTES = 8 << 20  # float32 bytes dequantized at once
 # the tensor types this engine dequantizes (gguf-py's numpy dequantizers); others are refused
 SUPPORTED_TENSOR_TYPES = frozenset(
     GGMLQuantizationType[name]
@@ -98,6 +99,10 @@ class GGUFFile:
         digest.update(str(self.path.stat().st_size).encode())
         return digest.hexdigest()[:24]
 
+    def drop_pages(self) -> None:
+        """Give the file's pages back (the OS keeps them cached): the weights were copied."""
+        self._map.madvise(mmap.MADV_DONTNEED)
+
     def check_tensor_types(self) -> None:
         unsupported = [
             t for t in self.tensors.values() if t.tensor_type not in SUPPORTED_TENSOR_TYPES
@@ -113,14 +118,21 @@ class GGUFFile:
 
 
 def materialize(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor in the engine's dtype, dequantized in memory (float32 on the way for quantized
-    types). The one place a file's tensor becomes a weight: a quantized-weights path hands out
-    the file's blocks here instead."""
+    """The tensor in the engine's dtype, dequantized in memory. The one place a file's tensor
+    becomes a weight: a quantized-weights path hands out the file's blocks here instead.
+    Dequantized a few MiB of rows at a time (gguf-py's dequantizers make several float32
+    temporaries of their input's size: whole, a 500 MB embedding would peak at ~2 GB more)."""
     if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
         raise UnsupportedModelError(f"unsupported GGUF tensor type {tensor.type_name}")
-    values = dequantize(tensor.data, tensor.tensor_type)
-    values = np.require(values, requirements=("C", "W"))  # a copy only of the mapped bytes
-    return torch.from_numpy(values).reshape(tensor.shape).to(dtype)
+    out = torch.empty(tensor.shape, dtype=dtype)
+    rows = tensor.data.reshape(-1, tensor.data.shape[-1])  # [num_rows, bytes per row]
+    out_rows = out.view(rows.shape[0], -1)  # [num_rows, row length]
+    step = max(1, DEQUANTIZE_CHUNK_BYTES // (4 * out_rows.shape[1]))
+    for start in range(0, rows.shape[0], step):
+        values = dequantize(rows[start : start + step], tensor.tensor_type)
+        values = np.require(values, requirements=("C", "W"))  # a copy only of mapped floats
+        out_rows[start : start + step].copy_(torch.from_numpy(values))
+    return out
 
 
 class _HeaderParser:

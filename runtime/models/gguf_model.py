@@ -8,8 +8,11 @@ Families and their defaults follow transformers' GGUF loader, the oracle the tes
 
 from __future__ import annotations
 
+import os
 import re
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -161,14 +164,31 @@ def hf_weight_name(gguf_name: str, architecture: str) -> str | None:
 def hf_weights(
     gguf: GGUFFile, config: dict, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor in `dtype`) for every tensor the model uses, one at a time."""
+    """(HF name, tensor in `dtype`) for every tensor the model uses, in file order, a few
+    dequantized ahead on worker threads (numpy lets go of the GIL); the file's pages are
+    dropped from this process once all are read."""
     gguf.check_tensor_types()
     arch = gguf.architecture
-    for tensor in gguf.tensors.values():
-        name = hf_weight_name(tensor.name, arch)
-        if name is None:
-            continue
-        yield name, _as_hf(tensor, name, arch, config, dtype)
+    named = [(n, t) for t in gguf.tensors.values() if (n := hf_weight_name(t.name, arch))]
+
+    def convert(item: tuple[str, GGUFTensor]) -> tuple[str, torch.Tensor]:
+        name, tensor = item
+        return name, _as_hf(tensor, name, arch, config, dtype)
+
+    yield from bounded_map(convert, named)
+    gguf.drop_pages()
+
+
+def bounded_map(fn, items: list, num_workers: int = min(4, os.cpu_count() or 1)) -> Iterator:
+    """fn over items, in order, with at most num_workers + 1 results held at once."""
+    with ThreadPoolExecutor(num_workers) as pool:
+        pending: deque[Future] = deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) > num_workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _as_hf(tensor: GGUFTensor, name: str, arch: str, config: dict, dtype) -> torch.Tensor:
