@@ -57,14 +57,17 @@ class PagedPlan:
 
 
 def _gather_block_ids(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    block_tables: torch.Tensor, first_blocks: torch.Tensor, seq_lens: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    """Whole blocks are gathered (one memcpy each); table entries past a sequence's end are
-    never trusted: they become block 0, whose keys the mask hides."""
-    max_kv_len = int(seq_lens.max())
-    blocks_per_seq = (max_kv_len + block_size - 1) // block_size
-    tables = block_tables[:, :blocks_per_seq].long()
-    in_use = torch.arange(blocks_per_seq, device=tables.device) * block_size < seq_lens[:, None]
+    """Whole blocks are gathered (one memcpy each), sequence s's from its table column
+    first_blocks[s] on; table entries past a sequence's end are never trusted: they become
+    block 0, whose keys the mask hides."""
+    kv_lens = seq_lens - first_blocks * block_size
+    blocks_per_seq = (int(kv_lens.max()) + block_size - 1) // block_size
+    columns = first_blocks[:, None] + torch.arange(blocks_per_seq, device=block_tables.device)
+    in_use = columns * block_size < seq_lens[:, None]
+    columns = columns.clamp(max=block_tables.shape[1] - 1)
+    tables = block_tables.gather(1, columns).long()
     return torch.where(in_use, tables, 0).flatten()
 
 
@@ -73,28 +76,39 @@ def prepare_paged_plan(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_size: int,
+    sliding_window: int | None = None,
 ) -> PagedPlan:
     """Plan for a ragged batch: sequence s owns queries query_start_loc[s]:query_start_loc[s+1],
-    which are its last q_len positions (causal over the cached prefix plus the chunk)."""
+    which are its last q_len positions (causal over the cached prefix plus the chunk; with a
+    sliding window, a query at position p sees only the keys at positions > p - window, and
+    blocks before the first query's window are not gathered)."""
     device = block_tables.device
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     seq_lens = seq_lens.long()
     num_seqs = int(seq_lens.numel())
     max_q_len = int(q_lens.max())
-    max_kv_len = int(seq_lens.max())
+    first_blocks = torch.zeros_like(seq_lens)
+    if sliding_window is not None:
+        first_key = (seq_lens - q_lens - sliding_window + 1).clamp(min=0)
+        first_blocks = first_key // block_size
+    k_start = first_blocks * block_size  # [num_seqs] position of each sequence's key 0
+    max_kv_len = int((seq_lens - k_start).max())
     q_index = torch.arange(max_q_len, device=device)
     q_pos = (seq_lens - q_lens)[:, None] + q_index  # [num_seqs, max_q_len]
-    k_pos = torch.arange(max_kv_len, device=device)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]
-    # padded query rows attend to key 0 only, so their softmax stays finite; they are dropped
+    k_pos = k_start[:, None] + torch.arange(max_kv_len, device=device)  # [num_seqs, max_kv_len]
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    # padded query rows attend to their first key only, so their softmax stays finite; they
+    # are dropped
     pad_rows = q_index[None, :] >= q_lens[:, None]
-    mask = torch.where(pad_rows[:, :, None], k_pos[None, None, :] == 0, mask)
+    mask = torch.where(pad_rows[:, :, None], (k_pos == k_start[:, None])[:, None, :], mask)
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
     index_in_seq = (
         torch.arange(int(q_lens.sum()), device=device) - query_start_loc[:-1].long()[seq_of_token]
     )
     return PagedPlan(
-        block_ids=_gather_block_ids(block_tables, seq_lens, block_size),
+        block_ids=_gather_block_ids(block_tables, first_blocks, seq_lens, block_size),
         mask=mask[:, None],
         token_rows=seq_of_token * max_q_len + index_in_seq,
         num_seqs=num_seqs,
@@ -154,13 +168,31 @@ class CausalPlan:
     token_rows: torch.Tensor  # [num_tokens] row of each token in the padded [num_seqs * max_len]
     num_seqs: int
     max_len: int
+    # with a sliding window: [max_len, max_len] bool, True = attend (is_causal cannot say it)
+    window_mask: torch.Tensor | None = None
+    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """0 / -inf form of window_mask, built once per step and dtype, not once per layer."""
+        if self.window_mask is None:
+            return None
+        if dtype not in self._additive:
+            additive = torch.zeros(self.window_mask.shape, dtype=dtype)
+            self._additive[dtype] = additive.masked_fill_(~self.window_mask, float("-inf"))
+        return self._additive[dtype]
 
 
-def prepare_causal_plan(q_lens: list[int]) -> CausalPlan:
-    """q_lens: tokens of each sequence, laid out one sequence after the other."""
+def prepare_causal_plan(q_lens: list[int], sliding_window: int | None = None) -> CausalPlan:
+    """q_lens: tokens of each sequence, laid out one sequence after the other; token t of a
+    sequence attends its tokens (t - sliding_window, t] (no window: [0, t])."""
     max_len = max(q_lens)
     rows = [seq * max_len + i for seq, q_len in enumerate(q_lens) for i in range(q_len)]
-    return CausalPlan(torch.tensor(rows), len(q_lens), max_len)
+    window_mask = None
+    if sliding_window is not None and sliding_window < max_len:
+        pos = torch.arange(max_len)
+        diff = pos[:, None] - pos[None, :]  # query - key
+        window_mask = (diff >= 0) & (diff < sliding_window)
+    return CausalPlan(torch.tensor(rows), len(q_lens), max_len, window_mask)
 
 
 def causal_attention_with_plan(
@@ -170,11 +202,13 @@ def causal_attention_with_plan(
     -> [num_tokens, num_heads, head_dim]; token t of a sequence attends its tokens 0..t."""
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
+    mask = plan.additive_mask(q.dtype)
     out = F.scaled_dot_product_attention(
         _pad_sequences(q, plan),
         _pad_sequences(k, plan),
         _pad_sequences(v, plan),
-        is_causal=True,
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=group > 1,
     )  # [num_seqs, num_heads, max_len, head_dim]; padded query rows are dropped below
@@ -206,8 +240,11 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    plan = prepare_paged_plan(block_tables, query_start_loc, seq_lens, k_cache.shape[1])
+    plan = prepare_paged_plan(
+        block_tables, query_start_loc, seq_lens, k_cache.shape[1], sliding_window
+    )
     return paged_attention_with_plan(q, k_cache, v_cache, plan, scale)
 
 
@@ -218,11 +255,12 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim], one query per sequence at position seq_len - 1."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_prefill(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
     )
 
 

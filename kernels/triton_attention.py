@@ -58,7 +58,7 @@ def _online_softmax_step(
     q,  # [M, HEAD_DIM_PAD]
     k,  # [BLOCK_N, HEAD_DIM_PAD]
     v,  # [BLOCK_N, HEAD_DIM_PAD]
-    visible,  # [M, BLOCK_N] bool; every row has seen a visible key by now
+    visible,  # [M, BLOCK_N] bool; a row may have seen no visible key yet (sliding window)
     row_max,  # [M] running max of scaled scores (log2 domain)
     row_sum,  # [M]
     acc,  # [M, HEAD_DIM_PAD] float32, unnormalised
@@ -69,8 +69,10 @@ def _online_softmax_step(
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
-    correction = tl.exp2(row_max - new_max)
-    p = tl.exp2(scores - new_max[:, None])
+    # a row with no visible key so far keeps max -inf: subtract 0 there, not -inf (NaN)
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    correction = tl.exp2(row_max - safe_max)
+    p = tl.exp2(scores - safe_max[:, None])
     row_sum = row_sum * correction + tl.sum(p, 1)
     acc = acc * correction[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
     return new_max, row_sum, acc
@@ -88,6 +90,7 @@ def _decode_partition_kernel(
     part_sum_ptr,  # [num_seqs, num_heads, num_partitions] float32
     part_acc_ptr,  # [num_seqs, num_heads, num_partitions, HEAD_DIM_PAD] float32
     scale_log2e,
+    window,  # 0, or the keys a query sees (the last ones, its own included)
     partition_size,  # multiple of BLOCK_N
     num_partitions,
     num_heads,
@@ -114,13 +117,15 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1)
     partition = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # first key seen
     start = partition * partition_size
     # a compile-time branch around the runtime one: with DIRECT_OUT an empty sequence (graph
     # padding) goes on and writes zeros
     if not DIRECT_OUT:  # noqa: SIM102
-        if start >= seq_len:
+        if (start >= seq_len) | (start + partition_size <= first):
             return
     end = tl.minimum(start + partition_size, seq_len)
+    start = tl.maximum(start, first // BLOCK_N * BLOCK_N)
 
     group = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -138,7 +143,7 @@ def _decode_partition_kernel(
     table_row_ptr = block_tables_ptr + seq * table_stride
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
+        token_mask = (tokens < end) & (tokens >= first)
         k, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, tokens, token_mask, dims, dim_mask,
             cache_block_stride, cache_token_stride, cache_head_stride, BLOCK_SIZE, DOT_DTYPE,
@@ -166,6 +171,7 @@ def _decode_reduce_kernel(
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
+    window,
     partition_size,
     num_partitions,
     num_heads,
@@ -180,7 +186,8 @@ def _decode_reduce_kernel(
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     parts = tl.arange(0, PARTITIONS_PAD)
-    part_mask = parts < tl.cdiv(seq_len, partition_size)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    part_mask = (parts < tl.cdiv(seq_len, partition_size)) & (parts >= first // partition_size)
     part_rows = (seq * num_heads + head) * num_partitions + parts
     dims = tl.arange(0, HEAD_DIM_PAD)
     # finite fill, not -inf: a sequence of length 0 (graph padding) must give 0, not NaN
@@ -222,6 +229,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale_log2e,
+    window,  # 0, or the keys a query sees (the last ones, its own included)
     num_seqs,
     q_token_stride,
     q_head_stride,
@@ -269,9 +277,11 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table_row_ptr = block_tables_ptr + seq * table_stride
     kv_end = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
-    # key 0 is visible to every row (padded rows too), so row_max is finite after tile 0; a
-    # sequence of length 0 (a graph's padding tokens) has no tile and writes zeros
-    for tile_start in range(0, kv_end, BLOCK_N):
+    # with a window, tiles before the block's first query's window are skipped; a sequence of
+    # length 0 (a graph's padding tokens) has no tile and writes zeros
+    lowest_hidden = tl.where(window > 0, positions - window, -1)  # [BLOCK_M] keys <= it hidden
+    kv_start = tl.where(window > 0, tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0), 0)
+    for tile_start in range(kv_start // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_mask = key_pos < kv_end
         k, v = _load_kv_tile(
@@ -279,6 +289,7 @@ def _prefill_kernel(
             cache_block_stride, cache_token_stride, cache_head_stride, BLOCK_SIZE, DOT_DTYPE,
         )  # fmt: skip
         visible = key_mask[None, :] & (key_pos[None, :] <= positions[:, None])
+        visible = visible & (key_pos[None, :] > lowest_hidden[:, None])
         row_max, row_sum, acc = _online_softmax_step(
             q, k, v, visible, row_max, row_sum, acc, scale_log2e, DOT_DTYPE, PRECISION
         )
@@ -298,10 +309,12 @@ def paged_attention_decode(
     *,
     max_seq_len: int | None = None,
     partition_size: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [num_seqs, num_heads, head_dim] -> out, same shape; one query per sequence at position
-    seq_len - 1. max_seq_len (a host-side bound, default from the table width) and
-    partition_size only tune the split; neither needs a device sync, so graphs can capture it."""
+    seq_len - 1, which sees the last sliding_window keys (None: all). max_seq_len (a host-side
+    bound, default from the table width) and partition_size only tune the split; neither needs
+    a device sync, so graphs can capture it."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     _check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
@@ -322,7 +335,7 @@ def paged_attention_decode(
     group = num_heads // num_kv_heads
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
-        scale * math.log2(math.e), partition_size, num_partitions, num_heads,
+        scale * math.log2(math.e), sliding_window or 0, partition_size, num_partitions, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -332,7 +345,8 @@ def paged_attention_decode(
     )  # fmt: skip
     if num_partitions > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            seq_lens, out, part_max, part_sum, part_acc, partition_size, num_partitions,
+            seq_lens, out, part_max, part_sum, part_acc, sliding_window or 0, partition_size,
+            num_partitions,
             num_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, PARTITIONS_PAD=triton.next_power_of_2(num_partitions),
         )  # fmt: skip
@@ -347,9 +361,11 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> out, same shape. Sequence s owns the queries
-    query_start_loc[s]:query_start_loc[s+1], its last q_len positions (causal). Graph padding:
+    query_start_loc[s]:query_start_loc[s+1], its last q_len positions (causal; a query at
+    position p sees the keys > p - sliding_window where one is given). Graph padding:
     a sequence of length 0 gives zeros for its queries; queries past query_start_loc[-1] are
     left unwritten. Sizes come from the shapes only (no sync), so graphs can capture it."""
     num_tokens, num_heads, head_dim = q.shape
@@ -365,7 +381,7 @@ def paged_attention_prefill(
     block_q = PREFILL_BLOCK_M // group
     _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        scale * math.log2(math.e), num_seqs,
+        scale * math.log2(math.e), sliding_window or 0, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),

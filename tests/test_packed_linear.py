@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.models.llama import Linear, can_pack
+from runtime.models.layers import Linear, can_pack
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"

@@ -8,6 +8,7 @@
 //   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim]
 //   block_tables: [num_seqs, max_blocks] int32
 //   seq_lens:     [num_seqs] int32, keys of each sequence (its current token included)
+//   sliding_window: 0, or the keys the query sees (the last ones, its own included)
 //   returns       [num_seqs, num_heads, head_dim], q's dtype
 
 #include <ATen/ATen.h>
@@ -56,7 +57,13 @@ struct Layout {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t block_stride;  // elements between blocks of the cache
   float scale;
+  int64_t sliding_window;  // 0: none
 };
+
+// Keys [first, seq_len) are attended: the last sliding_window of them, or all.
+inline int64_t first_key(int64_t seq_len, const Layout& l) {
+  return l.sliding_window > 0 ? std::max<int64_t>(seq_len - l.sliding_window, 0) : 0;
+}
 
 // Eight floats, loaded from any float address: GCC/Clang vector extensions become AVX2 or
 // AVX-512 instructions under -march=native and plain loops elsewhere.
@@ -103,27 +110,30 @@ struct Scratch {
         offsets(std::max<int64_t>(longest, 1)) {}
 };
 
-// Calls visit(t, keys_or_values_of_token_t) for t in [0, seq_len): all kv heads of a token are
-// one contiguous row of the cache, read once for every query head.
+// Calls visit(t - first, keys_or_values_of_token_t) for t in [first, seq_len): all kv heads of
+// a token are one contiguous row of the cache, read once for every query head.
 template <typename T, typename Visit>
-inline void for_each_token(const T* cache, const int32_t* table, int64_t seq_len, const Layout& l,
-                           float* row, Visit visit) {
+inline void for_each_token(const T* cache, const int32_t* table, int64_t first, int64_t seq_len,
+                           const Layout& l, float* row, Visit visit) {
   const int64_t width = l.num_kv_heads * l.head_dim;
-  for (int64_t start = 0, b = 0; start < seq_len; start += l.block_size, ++b) {
+  for (int64_t b = first / l.block_size, start = b * l.block_size; start < seq_len;
+       ++b, start += l.block_size) {
     const T* block = cache + table[b] * l.block_stride;
     const int64_t count = std::min(l.block_size, seq_len - start);
-    for (int64_t i = 0; i < count; ++i) visit(start + i, widen(block + i * width, width, row));
+    for (int64_t i = std::max<int64_t>(first - start, 0); i < count; ++i)
+      visit(start + i - first, widen(block + i * width, width, row));
   }
 }
 
-// All query heads of one sequence over its seq_len keys, any head_dim.
+// All query heads of one sequence over its keys [first, end), any head_dim.
 template <typename T>
 void attend_sequence_any_dim(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                     int64_t seq_len, const Layout& l, T* out, Scratch& s) {
+                     int64_t first, int64_t end, const Layout& l, T* out, Scratch& s) {
   const int64_t heads = l.num_heads, dim = l.head_dim, group = heads / l.num_kv_heads;
+  const int64_t seq_len = end - first;  // keys attended
   for (int64_t i = 0; i < heads * dim; ++i) s.query[i] = to_float(q[i]) * l.scale;
   float* scores = s.scores.data();
-  for_each_token(k_cache, table, seq_len, l, s.row.data(), [&](int64_t t, const float* keys) {
+  for_each_token(k_cache, table, first, end, l, s.row.data(), [&](int64_t t, const float* keys) {
     for (int64_t h = 0; h < heads; ++h)
       scores[h * seq_len + t] = dot(s.query.data() + h * dim, keys + (h / group) * dim, dim);
   });
@@ -136,7 +146,7 @@ void attend_sequence_any_dim(const T* q, const T* k_cache, const T* v_cache, con
     for (int64_t t = 0; t < seq_len; ++t) row[t] *= inverse;
   }
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
-  for_each_token(v_cache, table, seq_len, l, s.row.data(), [&](int64_t t, const float* values) {
+  for_each_token(v_cache, table, first, end, l, s.row.data(), [&](int64_t t, const float* values) {
     for (int64_t h = 0; h < heads; ++h)
       add_scaled(s.acc.data() + h * dim, values + (h / group) * dim, scores[h * seq_len + t], dim);
   });
@@ -257,15 +267,16 @@ inline float softmax_unnormalised(float* row, int64_t n) {
 
 template <typename T>
 void attend_sequence(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                     int64_t seq_len, const Layout& l, T* out, Scratch& s) {
+                     int64_t end, const Layout& l, T* out, Scratch& s) {
   const int64_t heads = l.num_heads, dim = l.head_dim, group = heads / l.num_kv_heads;
+  const int64_t first = first_key(end, l), seq_len = end - first;  // keys attended
   // bfloat16 caches: the per-token path widens each row once for all heads (measured faster)
   if (dim % 8 != 0 || !std::is_same<T, float>::value)
-    return attend_sequence_any_dim(q, k_cache, v_cache, table, seq_len, l, out, s);
+    return attend_sequence_any_dim(q, k_cache, v_cache, table, first, end, l, out, s);
   const int64_t width = l.num_kv_heads * dim;
-  int64_t* offsets = s.offsets.data();
-  for (int64_t t = 0; t < seq_len; ++t)
-    offsets[t] = table[t / l.block_size] * l.block_stride + (t % l.block_size) * width;
+  int64_t* offsets = s.offsets.data();  // offsets[i]: key first + i
+  for (int64_t t = first; t < end; ++t)
+    offsets[t - first] = table[t / l.block_size] * l.block_stride + (t % l.block_size) * width;
   for (int64_t i = 0; i < heads * dim; ++i) s.query[i] = to_float(q[i]) * l.scale;
   float* scores = s.scores.data();  // [heads, seq_len]
   const int64_t whole = seq_len / 8 * 8;
@@ -309,7 +320,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* out_data = out.data_ptr<T>();
-  const int64_t longest = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
+  int64_t longest = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
+  if (l.sliding_window > 0) longest = std::min(longest, l.sliding_window);
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(l, longest);
     for (int64_t seq = begin; seq < end; ++seq)
@@ -320,7 +332,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale,
+                                  int64_t sliding_window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [seqs, heads, dim], cache 4-d expected");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
@@ -333,12 +346,13 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
               "head_dim mismatch or heads not a multiple of kv heads");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
               "one block table row and one length per sequence");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be 0 (none) or positive");
   const at::Tensor query = q.contiguous();
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   at::Tensor out = at::empty_like(query);
   const Layout layout{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), tables.size(1),
-                      k_cache.stride(0), static_cast<float>(scale)};
+                      k_cache.stride(0), static_cast<float>(scale), sliding_window};
   if (q.scalar_type() == at::kFloat) {
     decode<float>(query, k_cache, v_cache, tables, lens, layout, out);
   } else if (q.scalar_type() == at::kBFloat16) {
@@ -353,6 +367,6 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(conveyor_cpu, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int sliding_window=0) -> Tensor");
   m.impl("paged_attention_decode", c10::DispatchKey::CPU, &paged_attention_decode);
 }

@@ -7,7 +7,7 @@ A step's batch is laid out decodes first, then prefill chunks:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -39,6 +39,8 @@ class AttentionMetadata:
     # (the runner sorts them by length) so that few keys are padded
     decode_plans: list[tuple[int, int, reference.PagedPlan]] | None = None
     prefill_parts: list[PrefillPart] | None = None
+    # CPU path: (decode_plans, prefill_parts) of each sliding window, built by its first layer
+    windowed_plans: dict[int, tuple] = field(default_factory=dict)
 
     @property
     def num_prefill_seqs(self) -> int:
@@ -52,7 +54,8 @@ class ForwardContext:
     attn: AttentionMetadata
     k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
     v_caches: list[torch.Tensor]
-    rope: reference.RotaryPlan | None = None  # CPU path: this step's cos/sin rows
+    # CPU path: this step's cos/sin rows of each rope table ("global", "local")
+    rope: dict[str, reference.RotaryPlan] = field(default_factory=dict)
 
 
 class AttentionBackend:
@@ -74,24 +77,41 @@ class AttentionBackend:
         self.native = native.native_ops() if use_native else None
 
     def prepare(self, attn: AttentionMetadata) -> None:
-        if self.use_triton:
-            return
+        if not self.use_triton:
+            attn.decode_plans, attn.prefill_parts = self._plans(attn, None)
+
+    def _plans(self, attn: AttentionMetadata, window: int | None) -> tuple:
+        """(decode plans, prefill parts) of the CPU path for keys masked to `window`."""
+        decode_plans = prefill_parts = None
         if attn.num_decode_tokens and self.native is None:
-            attn.decode_plans = [
-                (start, end, self._decode_plan(attn, start, end))
+            decode_plans = [
+                (start, end, self._decode_plan(attn, start, end, window))
                 for start, end in length_groups(attn.decode_seq_lens.tolist())
             ]
         if attn.num_prefill_seqs:
-            attn.prefill_parts = self._prefill_parts(attn)
+            prefill_parts = self._prefill_parts(attn, window)
+        return decode_plans, prefill_parts
 
-    def _decode_plan(self, attn: AttentionMetadata, start: int, end: int) -> reference.PagedPlan:
+    def _plans_of_window(self, attn: AttentionMetadata, window: int | None) -> tuple:
+        """A window longer than every sequence of the step hides nothing: the plain plans."""
+        if window is None:
+            return attn.decode_plans, attn.prefill_parts
+        if window not in attn.windowed_plans:
+            hides_keys = window < _longest_seq(attn)
+            plans = self._plans(attn, window) if hides_keys else None
+            attn.windowed_plans[window] = plans or (attn.decode_plans, attn.prefill_parts)
+        return attn.windowed_plans[window]
+
+    def _decode_plan(
+        self, attn: AttentionMetadata, start: int, end: int, window: int | None
+    ) -> reference.PagedPlan:
         qsl = torch.arange(end - start + 1, dtype=torch.int32)
         tables = attn.decode_block_tables[start:end]
         return reference.prepare_paged_plan(
-            tables, qsl, attn.decode_seq_lens[start:end], self.block_size
+            tables, qsl, attn.decode_seq_lens[start:end], self.block_size, window
         )
 
-    def _prefill_parts(self, attn: AttentionMetadata) -> list[PrefillPart]:
+    def _prefill_parts(self, attn: AttentionMetadata, window: int | None) -> list[PrefillPart]:
         """First chunks (the query is the whole sequence so far) go in groups of similar length
         through the causal path; chunks with cached keys before them (a continued prompt, a
         prefix-cache hit) in groups of similar context length through the paged one."""
@@ -105,24 +125,22 @@ class AttentionBackend:
             (s for s in range(len(q_lens)) if q_lens[s] != seq_lens[s]), key=seq_lens.__getitem__
         )
         parts = [
-            self._causal_part(first[i:j], starts, q_lens)
+            self._causal_part(first[i:j], starts, q_lens, window)
             for i, j in length_groups([q_lens[s] for s in first], min_group=1)
         ]
         parts += [
-            self._paged_part(attn, later[i:j], starts, q_lens)
+            self._paged_part(attn, later[i:j], starts, q_lens, window)
             for i, j in length_groups([seq_lens[s] for s in later], min_group=1)
         ]
         if len(parts) == 1 and _in_order(parts[0].token_index, starts[-1]):
             parts[0].token_index = None
         return parts
 
-    def _causal_part(self, seqs: list[int], starts: list[int], q_lens: list[int]) -> PrefillPart:
-        lens = [q_lens[s] for s in seqs]
-        return PrefillPart(_token_index(seqs, starts, q_lens), reference.prepare_causal_plan(lens))
+    def _causal_part(self, seqs, starts, q_lens, window: int | None) -> PrefillPart:
+        plan = reference.prepare_causal_plan([q_lens[s] for s in seqs], window)
+        return PrefillPart(_token_index(seqs, starts, q_lens), plan)
 
-    def _paged_part(
-        self, attn: AttentionMetadata, seqs: list[int], starts: list[int], q_lens: list[int]
-    ) -> PrefillPart:
+    def _paged_part(self, attn: AttentionMetadata, seqs, starts, q_lens, window) -> PrefillPart:
         rows = torch.tensor(seqs)
         query_start_loc = [0, *accumulate(q_lens[s] for s in seqs)]
         plan = reference.prepare_paged_plan(
@@ -130,16 +148,19 @@ class AttentionBackend:
             torch.tensor(query_start_loc, dtype=torch.int32),
             attn.prefill_seq_lens[rows],
             self.block_size,
+            window,
         )
         return PrefillPart(_token_index(seqs, starts, q_lens), plan)
 
-    def prepare_rotary(self, ctx: ForwardContext, positions, cos_sin_cache, dtype) -> None:
+    def prepare_rotary(
+        self, ctx: ForwardContext, positions, cos_sin_cache, dtype, table: str = "global"
+    ) -> None:
         if not self.use_triton:
-            ctx.rope = reference.prepare_rotary(positions, cos_sin_cache, dtype)
+            ctx.rope[table] = reference.prepare_rotary(positions, cos_sin_cache, dtype)
 
-    def rotary(self, ctx: ForwardContext, positions, q, k, cos_sin_cache):
-        if ctx.rope is not None:
-            return reference.rotary_with_plan(q, k, ctx.rope)
+    def rotary(self, ctx: ForwardContext, positions, q, k, cos_sin_cache, table: str = "global"):
+        if table in ctx.rope:
+            return reference.rotary_with_plan(q, k, ctx.rope[table])
         return self.kernels.rotary_embedding(positions, q, k, cos_sin_cache)
 
     def forward(
@@ -151,40 +172,46 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         attn: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim]."""
+        """q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim].
+        sliding_window: a query at position p sees the keys at positions > p - sliding_window
+        (None: all keys up to p)."""
         self.kernels.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
         num_decode = attn.num_decode_tokens
+        window = sliding_window
         if not attn.num_prefill_seqs:
-            return self._decode(q, k_cache, v_cache, attn, scale)
+            return self._decode(q, k_cache, v_cache, attn, scale, window)
         prefill = (q[num_decode:], k[num_decode:], v[num_decode:])
         if not num_decode:
-            return self._prefill(*prefill, k_cache, v_cache, attn, scale)
+            return self._prefill(*prefill, k_cache, v_cache, attn, scale, window)
         out = torch.empty_like(q)
-        out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, attn, scale)
-        out[num_decode:] = self._prefill(*prefill, k_cache, v_cache, attn, scale)
+        out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, attn, scale, window)
+        out[num_decode:] = self._prefill(*prefill, k_cache, v_cache, attn, scale, window)
         return out
 
-    def _decode(self, q, k_cache, v_cache, attn: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, attn: AttentionMetadata, scale: float, window=None):
+        tables, seq_lens = attn.decode_block_tables, attn.decode_seq_lens
         if self.native is not None:
             return self.native.paged_attention_decode(
-                q, k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens, scale
+                q, k_cache, v_cache, tables, seq_lens, scale, window or 0
             )
-        if attn.decode_plans is not None:
+        decode_plans = None if self.use_triton else self._plans_of_window(attn, window)[0]
+        if decode_plans is not None:
             parts = [
                 reference.paged_attention_with_plan(q[start:end], k_cache, v_cache, plan, scale)
-                for start, end, plan in attn.decode_plans
+                for start, end, plan in decode_plans
             ]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.kernels.paged_attention_decode(
-            q, k_cache, v_cache, attn.decode_block_tables, attn.decode_seq_lens, scale
+            q, k_cache, v_cache, tables, seq_lens, scale, sliding_window=window
         )
 
-    def _prefill(self, q, k, v, k_cache, v_cache, attn: AttentionMetadata, scale: float):
+    def _prefill(self, q, k, v, k_cache, v_cache, attn: AttentionMetadata, scale, window=None):
         """q: [num_prefill_tokens, num_heads, head_dim]; k/v: this step's keys and values of
         the same tokens (already in the cache)."""
-        if attn.prefill_parts is not None:
-            parts = attn.prefill_parts
+        parts = None if self.use_triton else self._plans_of_window(attn, window)[1]
+        if parts is not None:
             if parts[0].token_index is None:
                 return _attend_part(q, k, v, k_cache, v_cache, parts[0].plan, scale)
             out = torch.empty_like(q)
@@ -200,7 +227,13 @@ class AttentionBackend:
             attn.prefill_query_start_loc,
             attn.prefill_seq_lens,
             scale,
+            sliding_window=window,
         )
+
+
+def _longest_seq(attn: AttentionMetadata) -> int:
+    lens = [attn.decode_seq_lens, attn.prefill_seq_lens]
+    return max((int(x.max()) for x in lens if x.numel()), default=0)
 
 
 def _attend_part(q, k, v, k_cache, v_cache, plan, scale: float) -> torch.Tensor:

@@ -61,7 +61,7 @@ def hf_config(gguf: GGUFFile) -> dict:
     num_heads = int(gguf.arch_value("attention.head_count"))
     hidden = int(gguf.arch_value("embedding_length"))
     config = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [_hf_architecture(gguf)],
         "model_type": MODEL_TYPES[arch],
         "vocab_size": _vocab_size(gguf),
         "hidden_size": hidden,
@@ -84,6 +84,15 @@ def hf_config(gguf: GGUFFile) -> dict:
     if arch == "gemma3":
         config.update(_gemma3_fields(gguf, config))
     return config
+
+
+def _hf_architecture(gguf: GGUFFile) -> str:
+    """Mistral's files say llama; as transformers does, the model's name tells them apart (and
+    Mistral's HF default window, 4,096 tokens, applies where the file names none)."""
+    name = str(gguf.metadata.get("general.name", "")).lower()
+    if gguf.architecture == "llama" and "mistral" in name:
+        return "MistralForCausalLM"
+    return ARCHITECTURES[gguf.architecture]
 
 
 def _vocab_size(gguf: GGUFFile) -> int:
