@@ -27,6 +27,7 @@ ARCHITECTURES = {
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every sixth layer global (Gemma3TextConfig's default)
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+END_OF_GENERATION_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>")
 
 _TOP_LEVEL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -119,9 +120,13 @@ def _rope_scaling(gguf: GGUFFile) -> dict:
 
 
 def _eos_token_ids(gguf: GGUFFile) -> list[int]:
-    """The end-of-sequence id, then the end-of-turn id where the file names one."""
+    """The end-of-sequence id, the end-of-turn id where the file names one, then the tokens
+    that end a turn or a document in the families' vocabularies (as llama.cpp stops on them;
+    their generation_config.json lists them too)."""
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
     ids = [int(gguf.metadata[k]) for k in keys if gguf.metadata.get(k) is not None]
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens") or []
+    ids += [tokens.index(text) for text in END_OF_GENERATION_TOKENS if text in tokens]
     return list(dict.fromkeys(ids))
 
 

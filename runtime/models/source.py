@@ -46,11 +46,12 @@ class ModelSource:
         return self.gguf is not None
 
     def tokenizer_dir(self) -> Path:
-        """A directory with the tokenizer files (and generation_config.json for the eos ids)."""
+        """A directory with the tokenizer files."""
         return gguf_tokenizer_dir(self) if self.gguf is not None else self.path
 
     def load_tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_pretrained(self.tokenizer_dir())
+        extra_eos = (self.hf_config.get("eos_token_id") or []) if self.gguf is not None else []
+        return Tokenizer.from_pretrained(self.tokenizer_dir(), extra_eos)
 
     def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) pairs; GGUF tensors dequantized to `dtype` one at a time."""
@@ -146,15 +147,13 @@ def gguf_tokenizer_dir(source: ModelSource) -> Path:
 
 def build_gguf_tokenizer(source: ModelSource, out_dir: Path) -> None:
     """transformers' fast tokenizer from the file's metadata (vocabulary, merges, specials,
-    chat template), saved as tokenizer.json; the eos ids go to generation_config.json."""
+    chat template), saved as tokenizer.json."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
         str(source.path.parent), gguf_file=source.path.name, local_files_only=True
     )
     tokenizer.save_pretrained(out_dir)
-    eos = source.hf_config.get("eos_token_id") or []
-    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
 
 
 def tokenizer_files_dir(model: str | os.PathLike | None = None) -> Path:

@@ -35,12 +35,15 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """A local HF directory with tokenizer files, or a GGUF file (or a directory holding one)."""
+    def from_pretrained(
+        cls, path: str | Path, extra_eos_token_ids: Sequence[int] = ()
+    ) -> Tokenizer:
+        """A local HF directory with tokenizer files, or a GGUF file (or a directory holding one);
+        more end-of-sequence ids than the tokenizer's own (a GGUF file's end-of-turn ids)."""
         directory, gguf_file = locate_tokenizer(Path(path))
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
         hf_tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
-        return cls(hf_tokenizer, read_generation_eos_ids(directory))
+        return cls(hf_tokenizer, [*read_generation_eos_ids(directory), *extra_eos_token_ids])
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
