@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint generate services model clean fuzz
+.PHONY: install serve test lint generate services model clean fuzz browser
 
 install: $(STAMP)
 
@@ -39,8 +39,15 @@ services:
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: install services lint model
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+# Debian's Chromium for the browser tests (tests/test_timeline_pages.py): Playwright drives it and
+# never downloads a browser of its own. Under `make test` those tests fail, not skip, without it.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
+
+test: install services browser lint model
+	CONVEYOR_REQUIRE_BROWSER=1 $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 # schemathesis over /v1/openapi.json and /admin/openapi.json against a tiny-model server, every
 # check, a random seed; FUZZ_SECONDS per document (`make test` runs 30 s each, a fixed seed)

@@ -36,6 +36,7 @@ from gateway.appkeys import (
 from gateway.audit import retention
 from gateway.errors import (
     HANDLER_ARGS,
+    APIError,
     add_request_id_header,
     error_middleware,
     invalid_api_key,
@@ -44,6 +45,8 @@ from gateway.errors import (
     request_id_middleware,
 )
 from gateway.openai import routes as openai_routes
+from gateway.pages import auth as page_auth
+from gateway.pages import routes as pages
 from gateway.settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ def create_app(settings: ServeSettings) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     openai_routes.add_routes(app.router)
+    pages.add_tenant_routes(app.router)  # /v1/requests/{id}/timeline, /pages/static/
     app.add_subapp("/admin", admin.create_admin_app())
     return app
 
@@ -213,16 +217,20 @@ def auth_middleware():
     @web.middleware
     async def authenticate(request: web.Request, handler):
         if request.path.startswith(AUTHENTICATED_PREFIX):
-            request[PRINCIPAL] = await principal_of(request)
+            try:
+                request[PRINCIPAL] = await principal_of(request)
+            except APIError as error:  # a page asks the browser for the key
+                raise page_auth.challenged(request, error) from None
         return await handler(request)
 
     return authenticate
 
 
 def bearer_token(request: web.Request) -> str | None:
+    """`Bearer <key>`; on a GET or HEAD also Basic with the key as password (the pages)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        return None
+        return page_auth.basic_password(request)
     return token.strip()
 
 

@@ -1,17 +1,18 @@
-"""Engine: the synchronous step loop (schedule -> run -> update -> detokenize). Asyncio callers
-reach it through `runtime.engine_client.EngineClient`, which runs it on its own thread.
+"""Engine: the synchronous step loop (schedule -> launch -> land -> build outputs). Asyncio
+callers reach it through `runtime.engine_client.EngineClient`, which runs it on its own thread.
 
-With async output (as vLLM's async output processing) a step's outputs are built during the
-next step's forward pass: `step()` schedules and launches step N, then detokenizes step N-1 and
-builds its outputs while the device works, then waits for step N's tokens.
-
-With async scheduling (on CUDA by default; vLLM's async scheduling, SGLang's overlap scheduler)
-the host runs a whole step ahead: `step()` schedules and launches step N while step N-1 is still
-on the device, then waits for step N-1's tokens, appends them and builds its outputs. Step N's
-decodes read step N-1's tokens on the device (the scheduler counts them as pending), so the
-device never waits for the host between steps. A step whose requests' next step needs their
-tokens on the host (penalties over the output, a grammar's next mask) lands before the next one
-is scheduled.
+One pipeline serves the three step modes. Each `step()` schedules and launches one step, then
+lands (waits for the sampled tokens, appends them, advances grammars) and builds the outputs
+(detokenize, stop strings) of the steps in the pipeline that are old enough:
+- plain: a step lands and is built at once (both lags 0);
+- async output (vLLM's async output processing; output lag 1): a step lands at once but its
+  outputs are built during the next step's forward pass;
+- async scheduling (on CUDA by default; vLLM's async scheduling, SGLang's overlap scheduler;
+  land lag 1): step N is scheduled and launched while step N-1 is still on the device, then N-1
+  lands and is built. Step N's decodes read N-1's tokens on the device (the scheduler counts
+  them as pending), so the device never waits for the host between steps. A step whose requests'
+  next step needs their tokens on the host (penalties over the output, a grammar's next mask)
+  lands before the next one is scheduled; a step with nothing to sample lands at once.
 
 Either way, a request that a stop string, an end-of-sequence token or its grammar stops was
 already scheduled in the step after; that token is computed and dropped, so the outputs are the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,8 +37,9 @@ from runtime.structured.outputs import StructuredOutputs
 from runtime.structured.schema_rules import GrammarError
 from scheduler.block_manager import BlockManager
 from scheduler.config import PreemptionCostModel, SchedulerConfig
+from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,43 @@ class RequestError(ValueError):
     def __init__(self, message: str, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.code, self.param = code, param
+
+
+def prompt_error(
+    prompt: list[int], vocab_size: int, max_len: int, num_output: int, param: str
+) -> RequestError | None:
+    """What is wrong with a prompt that asks for num_output tokens where contexts hold max_len
+    tokens (the model's length, or the whole KV cache if smaller); None if nothing. The engine
+    and the HTTP API both ask here."""
+    if not prompt:
+        return RequestError("The prompt is empty.", code="invalid_value", param=param)
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+        message = f"Token ids must be integers in [0, {vocab_size})."
+        return RequestError(message, code="invalid_value", param=param)
+    if len(prompt) + num_output > max_len:
+        return RequestError(
+            f"This model's maximum context length is {max_len} tokens. However, you "
+            f"requested {len(prompt) + num_output} tokens ({len(prompt)} in the prompt, "
+            f"{num_output} for the completion). Please reduce the prompt or max_tokens.",
+            code="context_length_exceeded",
+            param=param,
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """What a caller asks the engine to run (the gateway through EngineClient.submit)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str | None = None  # None: the engine names it
+    priority: int = 0  # lower = more urgent
+    tenant: str = "default"
+    weight: float = 1.0  # the tenant's fair-share weight
+    # the compiled grammar of params.grammar (EngineClient.prepare_grammar); a constrained
+    # request without one is compiled on the thread that adds it
+    grammar: PreparedGrammar | None = None
 
 
 @dataclass(slots=True)
@@ -68,21 +108,29 @@ class RequestOutput:
 _ids = itertools.count()
 
 
+@dataclass(slots=True)
+class OutputState:
+    """The engine's own state of a live request: its detokenizer and the events sent so far."""
+
+    detokenizer: IncrementalDetokenizer
+    num_events_sent: int = 0
+
+
 @dataclass
 class StepResult:
     """A step whose tokens are known but whose outputs are not built yet."""
 
-    out: SchedulerOutput
-    sampled: dict[str, tuple[int, Any]]  # request id -> (token, logprobs or None)
-    advanced: list[Request]  # requests that got a token, in step order
+    sampled: dict[str, tuple[list[int], list[Any]]]  # request id -> (tokens, logprobs or None)
+    advanced: list[tuple[Request, int]]  # requests that got tokens, how many kept, in order
 
 
 @dataclass
-class InFlight:
-    """A launched step whose tokens have not reached the host (async scheduling)."""
+class PipelineStep:
+    """A launched step: landed once its tokens reached the host, then built into outputs."""
 
     out: SchedulerOutput
     launched: LaunchedStep
+    result: StepResult | None = None  # set when it lands
 
 
 class Engine:
@@ -100,7 +148,7 @@ class Engine:
         self.structured = StructuredOutputs(
             self.tokenizer.hf_tokenizer, mc.vocab_size, self.eos_token_ids, self.runner.device
         )
-        self.runner.grammar_masks = self.structured.masks
+        self.runner.use_grammar_masks(self.structured.masks)
         if self.runner.device.type == "cuda":
             self.structured.masks.warm_up(mc.vocab_size)  # not on the first constrained request
         self.block_manager = BlockManager(
@@ -112,13 +160,11 @@ class Engine:
         self.scheduler = Scheduler(
             self._scheduler_config(), self.block_manager, self._measure_costs()
         )
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.num_events_sent: dict[str, int] = {}
+        self.outputs: dict[str, OutputState] = {}  # request id -> what its outputs carried
         self.num_steps = 0
         self.async_scheduling = config.resolved_async_scheduling()
         self.async_output = config.resolved_async_output() and not self.async_scheduling
-        self.unbuilt: StepResult | None = None  # async output: the last step, outputs to build
-        self.in_flight: InFlight | None = None  # async scheduling: launched, tokens not landed
+        self.pipeline: deque[PipelineStep] = deque()  # oldest first
 
     def reset_scheduler(self, **config_changes) -> None:
         """A fresh scheduler and block manager (empty prefix cache) on the loaded model, with
@@ -130,7 +176,9 @@ class Engine:
             old.num_gpu_blocks, old.block_size, old.num_cpu_blocks, old.enable_prefix_caching
         )
         config = replace(self.scheduler.config, **config_changes)
-        self.scheduler = Scheduler(config, self.block_manager, self.scheduler.cost_model)
+        old_scheduler = self.scheduler
+        self.scheduler = Scheduler(config, self.block_manager, old_scheduler.cost_model)
+        self.scheduler.left_ids += old_scheduler.left_ids  # rows the next step still releases
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -157,63 +205,40 @@ class Engine:
             params.validate(self.runner.model_config.vocab_size)
         except ValueError as e:
             raise RequestError(str(e), code="invalid_value") from e
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise RequestError("the prompt is empty", code="invalid_value", param="prompt")
-        vocab_size = self.runner.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
-            raise RequestError(
-                f"prompt token ids must be integers in [0, {vocab_size})",
-                code="invalid_value",
-                param="prompt",
-            )
-        if num_prompt >= self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {num_prompt} tokens.",
-                code="context_length_exceeded",
-                param="messages",
-            )
-        needed = self.block_manager.num_blocks_for(num_prompt + 1)
-        if needed > self.block_manager.num_gpu_blocks:
-            raise RequestError(
-                f"the prompt needs {needed} KV blocks but the whole KV cache has "
-                f"{self.block_manager.num_gpu_blocks}",
-                code="context_length_exceeded",
-                param="prompt",
-            )
+        kv_capacity = self.block_manager.num_gpu_blocks * self.block_manager.block_size
+        error = prompt_error(
+            prompt_token_ids,
+            self.runner.model_config.vocab_size,
+            min(self.max_model_len, kv_capacity),
+            num_output=1,
+            param="prompt",
+        )
+        if error is not None:
+            raise error
 
     def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        tenant: str = "default",
-        weight: float = 1.0,
-        stop_params: dict | None = None,
-        grammar: PreparedGrammar | None = None,
+        self, prompt_token_ids: list[int], params: SamplingParams | None = None, **fields
     ) -> Request:
-        """grammar: the compiled grammar of params.grammar (EngineClient.prepare_grammar); a
-        constrained request without one is compiled here, on the caller's thread."""
-        params = params or SamplingParams()
-        self.validate(prompt_token_ids, params)
-        request_id = request_id or f"req-{next(_ids)}"
+        """add(NewRequest(prompt_token_ids, params, **fields)): tests and offline use."""
+        return self.add(NewRequest(prompt_token_ids, params or SamplingParams(), **fields))
+
+    def add(self, new: NewRequest) -> Request:
+        params = new.params
+        self.validate(new.prompt_token_ids, params)
+        request_id = new.request_id or f"req-{next(_ids)}"
         if params.grammar is not None:
-            self._admit_grammar(request_id, params, grammar)
+            self._admit_grammar(request_id, params, new.grammar)
         request = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=list(new.prompt_token_ids),
             sampling_params=params,
-            priority=priority,
-            tenant=tenant,
-            weight=weight,
+            priority=new.priority,
+            tenant=new.tenant,
+            weight=new.weight,
             eos_token_ids=self.eos_token_ids,
         )
-        self.detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, stop=params.stop
-        )
-        self.num_events_sent[request.request_id] = 0
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop)
+        self.outputs[request.request_id] = OutputState(detokenizer)
         self.scheduler.add_request(request)
         return request
 
@@ -230,87 +255,91 @@ class Engine:
         request.finish_reason = "abort"
         return self._finish_output(request, [], "")
 
-    def has_unfinished(self) -> bool:
-        return self._holds_a_step() or self.scheduler.has_unfinished()
+    @property
+    def land_lag(self) -> int:
+        """How many steps are launched after a step before it lands."""
+        return int(self.async_scheduling)
 
-    def _holds_a_step(self) -> bool:
-        return self.unbuilt is not None or self.in_flight is not None
+    @property
+    def output_lag(self) -> int:
+        """How many steps are launched after a step lands before its outputs are built."""
+        return int(self.async_output and not self.async_scheduling)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pipeline) or self.scheduler.has_unfinished()
 
     def seconds_until_runnable(self) -> float:
         """How long a step would do nothing (dynamic batching waiting for its batch)."""
-        return 0.0 if self._holds_a_step() else self.scheduler.seconds_until_runnable()
+        return 0.0 if self.pipeline else self.scheduler.seconds_until_runnable()
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns its outputs, or with async output or async scheduling the
-        previous step's."""
-        if self.async_scheduling:
-            return self._step_ahead()
+        """Schedule and launch one step; returns the outputs of the steps that were built."""
+        outputs = self._advance(needed_on_host=True)
         out = self.scheduler.schedule()
-        launched = self._launch(out)
-        unbuilt, self.unbuilt = self.unbuilt, None
-        outputs = self._build_outputs(unbuilt) if unbuilt else []  # while the device runs
-        result = self._land(out, launched)
-        if self.async_output:
-            self.unbuilt = result if result.advanced or out.preempted else None
-            return outputs
-        return outputs + self._build_outputs(result)
-
-    def _step_ahead(self) -> list[RequestOutput]:
-        """Async scheduling: launch step N, then land step N-1 while the device runs step N."""
-        outputs = []
-        if self.in_flight is not None and self.in_flight.launched.needs_host_tokens:
-            outputs = self._land_in_flight()
-        out = self.scheduler.schedule()
-        previous = self.in_flight
-        launched = self._launch(out, previous.launched if previous is not None else None)
-        self.in_flight = InFlight(out, launched)
-        if previous is not None:
-            outputs += self._build_outputs(self._land(previous.out, previous.launched))
-        if not launched.has_samples:  # nothing to wait for: land it now
-            outputs += self._land_in_flight()
-        return outputs
-
-    def _land_in_flight(self) -> list[RequestOutput]:
-        in_flight, self.in_flight = self.in_flight, None
-        return self._build_outputs(self._land(in_flight.out, in_flight.launched))
-
-    def _launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        newest = self.pipeline[-1] if self.pipeline else None
+        previous = newest.launched if newest is not None and newest.result is None else None
         launched = self.runner.launch(out, previous)
         self.scheduler.mark_launched(out)
-        return launched
+        self.pipeline.append(PipelineStep(out, launched))
+        return outputs + self._advance()
+
+    def _advance(self, needed_on_host: bool = False) -> list[RequestOutput]:
+        """Land and build the steps old enough for it, oldest first. needed_on_host: before a
+        schedule, land only the steps whose tokens the next step needs on the host."""
+        outputs = []
+        for age, step in zip(range(len(self.pipeline) - 1, -1, -1), list(self.pipeline)):
+            if step.result is None:
+                if not self._should_land(step, age, needed_on_host):
+                    continue
+                step.result = self._land(step.out, step.launched)
+            has_outputs = step.result.advanced or step.out.preempted
+            if age >= self.output_lag or not has_outputs:
+                outputs += self._build_outputs(step.out, step.result)
+                self.pipeline.remove(step)
+        return outputs
+
+    def _should_land(self, step: PipelineStep, age: int, needed_on_host: bool) -> bool:
+        if needed_on_host:
+            return step.launched.needs_host_tokens
+        return age >= self.land_lag or not step.launched.has_samples
 
     def _land(self, out: SchedulerOutput, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens and hand them to the scheduler and the grammars."""
         sampled = self.runner.collect(launched)
         self.num_steps += launched.host is not None  # a step with nothing to run is no step
-        tokens = {rid: token for rid, (token, _) in sampled.items()}
+        tokens = {rid: token_ids for rid, (token_ids, _) in sampled.items()}
         advanced = self.scheduler.update_from_output(out, tokens)
-        for request in self.structured.advance(advanced):  # its grammar is complete
-            self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
-        return StepResult(out, sampled, advanced)
+        if launched.host is not None and launched.host.has_grammar:
+            for request in self.structured.advance(advanced):  # its grammar is complete
+                self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
+        return StepResult(sampled, advanced)
 
-    def _build_outputs(self, result: StepResult) -> list[RequestOutput]:
+    def _build_outputs(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs = [
-            self._output_for(r, *result.sampled[r.request_id])
-            for r in result.advanced
+            self._output_for(r, num_kept, *result.sampled[r.request_id])
+            for r, num_kept in result.advanced
             if r.status is not RequestStatus.FINISHED_ABORTED  # aborted since: last output sent
         ]
-        return outputs + self._event_only_outputs(result.out, {o.request_id for o in outputs})
+        return outputs + self._event_only_outputs(out, {o.request_id for o in outputs})
 
-    def _output_for(self, request: Request, token_id: int, logprobs) -> RequestOutput:
-        detok = self.detokenizers[request.request_id]
-        text = detok.add_tokens([token_id])
+    def _output_for(
+        self, request: Request, num_kept: int, token_ids: list[int], logprobs: list
+    ) -> RequestOutput:
+        """The output of the tokens a request kept from a step (a stop ends the run early)."""
+        token_ids = token_ids[:num_kept]
+        logprobs = [lp for lp in logprobs[:num_kept] if lp is not None]
+        detok = self.outputs[request.request_id].detokenizer
+        text = detok.add_tokens(token_ids)
         if detok.stop_hit is not None and not request.is_finished:
             request.stop_reason = detok.stop_hit
             self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
         elif request.is_finished and detok.stop_hit is None:
             text += detok.flush()
         request.output_text += text
-        lp = [logprobs] if logprobs is not None else []
         if request.is_finished:
-            return self._finish_output(request, [token_id], text, lp)
-        return self._make_output(request, [token_id], text, lp)
+            return self._finish_output(request, token_ids, text, logprobs)
+        return self._make_output(request, token_ids, text, logprobs)
 
     def _event_only_outputs(self, out, done: set[str]) -> list[RequestOutput]:
         """Requests preempted this step get an output carrying their new events."""
@@ -321,8 +350,10 @@ class Engine:
         ]
 
     def _make_output(self, request: Request, token_ids, text, logprobs=()) -> RequestOutput:
-        sent = self.num_events_sent.get(request.request_id, 0)
-        self.num_events_sent[request.request_id] = len(request.events)
+        state = self.outputs.get(request.request_id)
+        sent = state.num_events_sent if state is not None else 0
+        if state is not None:
+            state.num_events_sent = len(request.events)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -339,11 +370,12 @@ class Engine:
         )
 
     def _finish_output(self, request: Request, token_ids, text, logprobs=()) -> RequestOutput:
+        """The request's last output; the engine's state of it goes (the runner's goes when the
+        next step's SchedulerOutput lists it as finished)."""
         output = self._make_output(request, token_ids, text, logprobs)
-        self.detokenizers.pop(request.request_id, None)
-        self.num_events_sent.pop(request.request_id, None)
-        self.runner.sampler.release(request.request_id)
-        self.structured.release(request.request_id)
+        self.outputs.pop(request.request_id, None)
+        if request.sampling_params.grammar is not None:
+            self.structured.release(request.request_id)
         return output
 
     def generate(

@@ -22,9 +22,9 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from runtime.engine import Engine, RequestOutput
+from runtime.engine import Engine, NewRequest, RequestOutput
 from runtime.models.loader import served_model_names
 from runtime.models.tokenizer import Tokenizer
 from runtime.structured.compiler import PreparedGrammar
@@ -156,17 +156,6 @@ def usage(num_blocks: int, num_free: int) -> float:
 
 # ---- commands to the engine thread --------------------------------------------------------------
 @dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    tenant: str = "default"
-    weight: float = 1.0
-    grammar: PreparedGrammar | None = None
-
-
-@dataclass(frozen=True)
 class AbortRequest:
     request_id: str
 
@@ -177,7 +166,7 @@ class TakeSnapshot:
     reply: asyncio.Future = field(compare=False)
 
 
-Command = AddRequest | AbortRequest | TakeSnapshot
+Command = NewRequest | AbortRequest | TakeSnapshot
 
 
 class EngineClient:
@@ -229,28 +218,21 @@ class EngineClient:
         )
 
     def submit(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        tenant: str = "default",
-        weight: float = 1.0,
-        grammar: PreparedGrammar | None = None,
+        self, prompt_token_ids: list[int], params: SamplingParams, **fields
     ) -> AsyncIterator[RequestOutput]:
-        """The request's stream of outputs; closing it before it finishes aborts the request.
+        """The stream of outputs of NewRequest(prompt_token_ids, params, **fields); closing it
+        before it finishes aborts the request.
 
         Nothing is validated here, on the event loop: callers check a request against `info`
-        first (the gateway does, once); what the engine still refuses (`Engine.add_request`
-        checks on its own thread) ends the stream with a RequestError."""
-        request_id = request_id or f"req-{next(_ids)}"
+        first (the gateway does, once); what the engine still refuses (`Engine.add` checks on
+        its own thread) ends the stream with a RequestError."""
+        new = NewRequest(list(prompt_token_ids), params, **fields)
+        if new.request_id is None:
+            new = replace(new, request_id=f"req-{next(_ids)}")
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        add = AddRequest(
-            request_id, list(prompt_token_ids), params, priority, tenant, weight, grammar
-        )
-        self._send(add)
-        return self._iterate(request_id, stream)
+        self._streams[new.request_id] = (asyncio.get_running_loop(), stream)
+        self._send(new)
+        return self._iterate(new.request_id, stream)
 
     def abort(self, request_id: str) -> None:
         self._send(AbortRequest(request_id))
@@ -322,7 +304,7 @@ class EngineClient:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, AddRequest):
+            if isinstance(command, NewRequest):
                 self._add(command)
             elif isinstance(command, AbortRequest):
                 output = self._engine.abort(command.request_id)
@@ -331,21 +313,13 @@ class EngineClient:
             else:
                 self._answer(command)
 
-    def _add(self, add: AddRequest) -> None:
-        if add.request_id not in self._streams:  # the client left before the engine saw it
+    def _add(self, new: NewRequest) -> None:
+        if new.request_id not in self._streams:  # the client left before the engine saw it
             return
         try:
-            self._engine.add_request(
-                add.prompt_token_ids,
-                add.params,
-                add.request_id,
-                add.priority,
-                add.tenant,
-                add.weight,
-                grammar=add.grammar,
-            )
+            self._engine.add(new)
         except Exception as e:
-            self._deliver_to(add.request_id, e)
+            self._deliver_to(new.request_id, e)
 
     def _answer(self, take: TakeSnapshot) -> None:
         snapshot = EngineSnapshot.of(self._engine, self._step_times)

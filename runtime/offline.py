@@ -114,7 +114,11 @@ def _submit(engine: Engine, item: OfflineItem, by_request: dict) -> None:
     request_id = f"{item.index}:{item.id}"
     try:
         request = engine.add_request(
-            item.prompt_token_ids, item.params, request_id, item.priority, item.tenant
+            item.prompt_token_ids,
+            item.params,
+            request_id=request_id,
+            priority=item.priority,
+            tenant=item.tenant,
         )
         by_request[request_id] = (item, request)
     except RequestError as e:

@@ -1,12 +1,9 @@
-"""What the scheduler is told and what it answers: its settings (policy, preemption mode, limits),
-the preemption cost model the runtime measures, and one step's `SchedulerOutput`.
-"""
+"""What the scheduler is told: its settings (policy, preemption mode, limits) and the preemption
+cost model the runtime measures."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from scheduler.request import Request
+from dataclasses import dataclass
 
 POLICIES = ("priority", "fcfs", "static", "dynamic")
 
@@ -52,20 +49,3 @@ class PreemptionCostModel:
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tokens_per_s
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
-    preempted: list[Request] = field(default_factory=list)
-    budget: int = 0
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled

@@ -13,6 +13,7 @@ WAITING_BEHIND = "waiting_behind"  # the head of the line could not get in; it w
 WAITING_FOR_BUDGET = "waiting_for_budget"  # the step's token budget ran out before its turn
 WAITING_FOR_BATCH = "waiting_for_batch"  # dynamic batching: the batch has not formed yet
 SCHEDULED = "scheduled"
+PREFILL_CHUNK = "prefill_chunk"  # a later chunk of the prompt (the first is SCHEDULED)
 PREEMPTED = "preempted"
 SWAPPED_IN = "swapped_in"
 RECOMPUTE_STARTED = "recompute_started"

@@ -25,13 +25,6 @@ class RequestStatus(enum.Enum):
         self.is_finished = value.startswith("finished")  # a plain attribute: read per request
 
 
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
-
-
 class SamplingParamsError(ValueError):
     """A sampling parameter out of range; the message and `param` name the field."""
 
@@ -181,6 +174,10 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # hash chain of its full blocks
     cpu_block_ids: list[int] = field(default_factory=list)  # while swapped
     num_preemptions: int = 0
+    # what the runner's batch holds of it, as the scheduler told it (SchedulerOutput)
+    has_row: bool = False
+    num_told_tokens: int = 0
+    num_told_blocks: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     events: list[Any] = field(default_factory=list)

@@ -13,13 +13,16 @@ import time
 from collections.abc import Callable
 
 from scheduler import events as ev
+from scheduler.admission import LineAdmission
 from scheduler.block_manager import BlockManager
-from scheduler.config import BATCH_POLICIES, PreemptionCostModel, SchedulerConfig, SchedulerOutput
+from scheduler.config import BATCH_POLICIES, PreemptionCostModel, SchedulerConfig
 from scheduler.ordering import LineOrder
+from scheduler.output import RowAppend, SchedulerOutput, new_row
+from scheduler.preemption import Preemption
 from scheduler.request import Request, RequestStatus
 
 
-class Scheduler:
+class Scheduler(LineAdmission):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -29,14 +32,14 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.cost_model = cost_model or PreemptionCostModel()
+        self.preemption = Preemption(config, block_manager, cost_model or PreemptionCostModel())
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.order = LineOrder(config)
-        self.num_preemptions = {"swap": 0, "recompute": 0}
+        self.left_ids: list[str] = []  # requests whose rows left the batch since the last step
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -82,6 +85,9 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = status
         self.requests.pop(request.request_id, None)
+        if request.has_row:
+            request.has_row = False
+            self.left_ids.append(request.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -91,9 +97,33 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput(budget=self.config.max_batch_tokens)
         self._schedule_running(out, now)
-        if self.can_admit(now):
+        if (self.waiting or self.swapped) and self.can_admit(now):
             self._schedule_line(out, now)
+        self._tell_rows(out)
         return out
+
+    def _tell_rows(self, out: SchedulerOutput) -> None:
+        """What the runner's batch must apply: the rows that left it, the rows that join it and
+        what the others gained since they were last scheduled."""
+        out.finished_ids, self.left_ids = self.left_ids, []
+        for request, _ in out.scheduled:
+            if not request.has_row:
+                out.new_rows.append(new_row(request))
+                request.has_row = True
+            elif (
+                request.num_tokens > request.num_told_tokens
+                or len(request.block_ids) > request.num_told_blocks
+            ):
+                new_outputs = request.num_told_tokens - request.num_prompt_tokens
+                out.appends.append(
+                    RowAppend(
+                        request.request_id,
+                        request.output_token_ids[new_outputs:],
+                        request.block_ids[request.num_told_blocks :],
+                    )
+                )
+            request.num_told_tokens = request.num_tokens
+            request.num_told_blocks = len(request.block_ids)
 
     def can_admit(self, now: float) -> bool:
         """Continuous policies admit every step. A static or dynamic batch runs to completion
@@ -127,6 +157,9 @@ class Scheduler:
             if self._ends_with_pending_token(request):
                 continue  # its last token is on its way: it finishes when that lands
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, out.budget)
+            if self._inside_last_block(request, num_new):
+                self._add_to_step(out, request, num_new, now)
+                continue
             if self._exceeds_cache(request, num_new):
                 self._finish_out_of_cache(request, now)
                 continue
@@ -137,6 +170,15 @@ class Scheduler:
                     break
             else:
                 self._add_to_step(out, request, num_new, now)
+
+    def _inside_last_block(self, request: Request, num_new: int) -> bool:
+        """The tokens stay inside the request's last block without filling it: no block to
+        allocate and none to register for prefix caching, so the block manager is not asked."""
+        bm = self.block_manager
+        end = request.num_computed_tokens + num_new
+        if end >= len(request.block_ids) * bm.block_size:
+            return False
+        return not bm.enable_prefix_caching or end // bm.block_size <= len(request.block_hashes)
 
     def _ends_with_pending_token(self, request: Request) -> bool:
         """Async scheduling: the token in flight is the request's last by length."""
@@ -168,181 +210,22 @@ class Scheduler:
         candidates = [r for r in self.running if id(r) not in scheduled]
         return max(candidates, key=lambda r: self.order.urgency(r, now))
 
-    def _schedule_line(self, out: SchedulerOutput, now: float) -> None:
-        line = sorted(self.waiting + self.swapped, key=lambda r: self.order.line_key(r, now))
-        for index in range(len(line)):
-            request = line[index]
-            if out.budget == 0:
-                for behind in line[index:]:
-                    self._record_wait(
-                        behind,
-                        ev.WAITING_FOR_BUDGET,
-                        now,
-                        max_batch_tokens=self.config.max_batch_tokens,
-                        num_scheduled=len(out.scheduled),
-                    )
-                return
-            blocker = self._preempted_ahead_of(request, out, now)
-            if blocker is None and self._admit(request, out, now):
-                # the admitted tenant was just charged: the others may now come first
-                line[index + 1 :] = sorted(
-                    line[index + 1 :], key=lambda r: self.order.line_key(r, now)
-                )
-                continue
-            blocker = blocker or request
-            for behind in line[index + (blocker is request) :]:
-                self._record_wait(
-                    behind,
-                    ev.WAITING_BEHIND,
-                    now,
-                    by=blocker.request_id,
-                    by_tenant=blocker.tenant,
-                    by_priority=blocker.priority,
-                )
-            return
-
-    def _preempted_ahead_of(
-        self, request: Request, out: SchedulerOutput, now: float
-    ) -> Request | None:
-        """A request preempted this step keeps its place: nobody behind it gets in now."""
-        key = self.order.line_key(request, now)
-        return next((r for r in out.preempted if self.order.line_key(r, now) <= key), None)
-
-    def _admit(self, request: Request, out: SchedulerOutput, now: float) -> bool:
-        if not self._make_room_for_slot(request, out, now):
-            self._record_wait(request, ev.WAITING_FOR_SLOT, now, num_running=len(self.running))
-            return False
-        if request.status is RequestStatus.SWAPPED:
-            return self._swap_in(request, out, now)
-        if (
-            self.block_manager.num_blocks_for(request.num_tokens)
-            > self.block_manager.num_gpu_blocks
-        ):
-            self._finish_out_of_cache(request, now)  # a recomputed request that outgrew the cache
-            return True
-        cached = self.block_manager.find_cached_blocks(request)
-        num_cached_tokens = len(cached) * self.block_manager.block_size
-        num_new = min(request.num_tokens - num_cached_tokens, out.budget)
-        request.num_computed_tokens = num_cached_tokens
-        if not self._make_room_for_blocks(request, num_new, cached, out, now):
-            request.num_computed_tokens = 0
-            return False
-        self.block_manager.allocate(request, num_new, cached)
-        self.block_manager.num_prefix_queries += request.num_tokens
-        self.block_manager.num_prefix_hits += num_cached_tokens
-        request.num_cached_prefix_tokens = num_cached_tokens
-        self.waiting.remove(request)
-        self._start_running(request, now)
-        self._add_to_step(out, request, num_new, now)
-        return True
-
-    def _swap_in(self, request: Request, out: SchedulerOutput, now: float) -> bool:
-        num_new = min(request.num_tokens - request.num_computed_tokens, out.budget)
-        extra = self.block_manager.num_blocks_for(request.num_computed_tokens + num_new)
-        extra -= len(request.cpu_block_ids)
-        if not self._make_room_for_blocks(
-            request, num_new, [], out, now, held=len(request.cpu_block_ids) + extra
-        ):
-            return False
-        num_blocks = len(request.cpu_block_ids)
-        out.blocks_to_swap_in.extend(self.block_manager.swap_in(request))
-        self.block_manager.allocate(request, num_new)
-        ev.emit(request, ev.SWAPPED_IN, now, num_blocks=num_blocks)
-        self.swapped.remove(request)
-        self._start_running(request, now)
-        self._add_to_step(out, request, num_new, now)
-        return True
-
-    def _make_room_for_slot(self, request: Request, out: SchedulerOutput, now: float) -> bool:
-        while len(self.running) >= self.config.max_num_seqs:
-            if not self._preempt_less_urgent(request, out, now):
-                return False
-        return True
-
-    def _make_room_for_blocks(
-        self, request, num_new, cached, out, now, held: int | None = None
-    ) -> bool:
-        bm = self.block_manager
-        while not self._fits(request, num_new, cached, held):
-            if not self._preempt_less_urgent(request, out, now):
-                needed = (
-                    held
-                    if held is not None
-                    else bm.num_blocks_needed(request, num_new, len(cached))
-                )
-                self._record_wait(
-                    request,
-                    ev.WAITING_FOR_KV,
-                    now,
-                    blocks_needed=needed,
-                    blocks_free=bm.num_free_gpu_blocks,
-                )
-                return False
-        return True
-
-    def _fits(self, request: Request, num_new: int, cached: list[int], held: int | None) -> bool:
-        if held is not None:
-            return held <= self.block_manager.num_free_gpu_blocks
-        return self.block_manager.can_allocate(request, num_new, cached)
-
-    def _preempt_less_urgent(self, request: Request, out: SchedulerOutput, now: float) -> bool:
-        if not self.running:
-            return False
-        victim = max(self.running, key=lambda r: self.order.urgency(r, now))
-        if not self.order.more_urgent(request, victim, now):
-            return False
-        self._unschedule(out, victim)
-        self._preempt(victim, by=request, out=out, now=now)
-        return True
-
-    def _unschedule(self, out: SchedulerOutput, victim: Request) -> None:
-        for i, (request, num_tokens) in enumerate(out.scheduled):
-            if request is victim:
-                del out.scheduled[i]
-                out.budget += num_tokens
-                self.order.charge(victim, -num_tokens)
-                return
-
     # ---- preemption -------------------------------------------------------------------------
+    @property
+    def num_preemptions(self) -> dict[str, int]:
+        return self.preemption.num_preemptions
+
+    @property
+    def cost_model(self) -> PreemptionCostModel:
+        return self.preemption.cost_model
+
     def choose_mode(self, victim: Request) -> str:
-        bm = self.block_manager
-        mode = self.config.preemption_mode
-        if mode == "recompute" or not bm.can_swap_out(victim) or not victim.block_ids:
-            return "recompute"
-        if mode == "swap":
-            return "swap"
-        swap_cost = self.cost_model.swap_seconds(len(victim.block_ids))
-        recompute_cost = self.cost_model.recompute_seconds(victim.num_computed_tokens)
-        return "swap" if swap_cost < recompute_cost else "recompute"
+        return self.preemption.choose_mode(victim)
 
     def _preempt(self, victim: Request, by: Request, out: SchedulerOutput, now: float) -> None:
-        mode = self.choose_mode(victim)
-        num_blocks = len(victim.block_ids)
         self.running.remove(victim)
-        if mode == "swap":
-            out.blocks_to_swap_out.extend(self.block_manager.swap_out(victim))
-            victim.status = RequestStatus.SWAPPED
-            self.swapped.append(victim)
-        else:
-            self.block_manager.free(victim)
-            victim.num_computed_tokens = 0
-            victim.status = RequestStatus.WAITING
-            self.waiting.append(victim)
-        victim.num_preemptions += 1
-        victim.preempted_mode = mode
-        victim.wait_reason = None
-        self.num_preemptions[mode] += 1
-        out.preempted.append(victim)
-        ev.emit(
-            victim,
-            ev.PREEMPTED,
-            now,
-            mode=mode,
-            by=by.request_id,
-            by_tenant=by.tenant,
-            by_priority=by.priority,
-            num_blocks=num_blocks,
-        )
+        mode = self.preemption.preempt(victim, by, out, now)
+        (self.swapped if mode == "swap" else self.waiting).append(victim)
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def _start_running(self, request: Request, now: float) -> None:
@@ -379,6 +262,14 @@ class Scheduler:
                 queue_time=now - request.arrival_time,
                 num_cached_tokens=request.num_cached_prefix_tokens,
             )
+        elif not request.output_token_ids and not request.num_pending_tokens:
+            ev.emit(
+                request,
+                ev.PREFILL_CHUNK,
+                now,
+                num_tokens=num_new,
+                num_computed_tokens=request.num_computed_tokens,
+            )
 
     def _record_wait(self, request: Request, kind: str, now: float, **facts) -> None:
         if request.wait_reason == kind:
@@ -395,23 +286,31 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens_with_pending:
                 request.num_pending_tokens += 1
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """A launched step's tokens have landed: append them, finish on a stop condition.
-        Returns the requests that got a new token, in step order."""
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[tuple[Request, int]]:
+        """A launched step's tokens have landed (one per sampling row today; a row may bring
+        several): append them in order until a stop condition finishes the request. Returns
+        each request that got tokens and how many it kept, in step order."""
         advanced = []
         for request, _ in out.scheduled:
             if request.is_finished:
                 continue  # aborted (or stopped by an earlier step) while the step ran
-            token_id = sampled.get(request.request_id)
-            if token_id is None:
+            token_ids = sampled.get(request.request_id)
+            if not token_ids:
                 continue
             request.num_pending_tokens -= 1
+            advanced.append((request, self._append_until_stop(request, token_ids)))
+        return advanced
+
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> int:
+        for num_kept, token_id in enumerate(token_ids, start=1):
             request.output_token_ids.append(token_id)
-            advanced.append(request)
             status = self.check_stop(request, token_id)
             if status is not None:
                 self.finish_with_event(request, status)
-        return advanced
+                return num_kept
+        return len(token_ids)
 
     def check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -38,23 +38,11 @@ def unique_name() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
 
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 2048,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-    "eos_token_id": 2,
-    "bos_token_id": 1,
-}
+def tiny_llama() -> dict:
+    """The tests' tiny model: the near-zero model of `conveyor bench step` with two layers."""
+    from benchmarks.step import NEAR_ZERO
+
+    return dict(NEAR_ZERO, num_hidden_layers=2)
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +50,7 @@ def tiny_model_dir(tmp_path_factory):
     """A random-initialised 2-layer Llama with SmolLM2's tokenizer: fast engine tests."""
     from benchmarks.step import write_random_llama
 
-    return write_random_llama(tmp_path_factory.mktemp("tiny-llama"), TINY_LLAMA)
+    return write_random_llama(tmp_path_factory.mktemp("tiny-llama"), tiny_llama())
 
 
 @pytest.fixture(scope="session")

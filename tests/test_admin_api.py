@@ -378,6 +378,15 @@ def test_every_record_field_and_an_explanation_that_adds_up(server):
     assert named == pytest.approx(record_delay_s(record), rel=0.05, abs=2e-3)
 
 
+def test_the_decode_is_noted_every_32_tokens_for_the_timeline(server):
+    _, key = new_tenant(server)
+    reply = complete(server, key, max_tokens=70, ignore_eos=True)
+    events = audit_detail(server, reply.request_id).body["events"]
+    progress = [e for e in events if e["kind"] == "decode_progress"]
+    assert [e["data"]["num_output_tokens"] for e in progress] == [32, 64]
+    assert [e["time"] for e in progress] == sorted(e["time"] for e in progress)
+
+
 def test_invalid_requests_are_audited_as_validation_refusals(server):
     _, key = new_tenant(server)
     reply = complete(server, key, max_tokens=0)

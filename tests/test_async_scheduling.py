@@ -43,7 +43,7 @@ def run(engine: Engine, prompts, params, abort_after: dict[int, int] = ()):
         for index, step in dict(abort_after).items():
             if step == num_steps and (output := engine.abort(requests[index].request_id)):
                 seen[output.request_id].append(output)
-    assert blocks_in_use(engine) == 0 and engine.in_flight is None and engine.unbuilt is None
+    assert blocks_in_use(engine) == 0 and not engine.pipeline
     for per in seen.values():
         assert [o.finished for o in per].count(True) == 1 and per[-1].finished
     return [seen[r.request_id] for r in requests]
@@ -69,8 +69,8 @@ def count_pending_launches(engine: Engine) -> list[int]:
 
     def counting(out, previous=None):
         launched = launch(out, previous)
-        if launched.host is not None and "pending_dst" in launched.host.parts:
-            counts.append(len(launched.host.parts["pending_dst"]))
+        if launched.host is not None and launched.host.tensors.pending_dst is not None:
+            counts.append(len(launched.host.tensors.pending_dst))
         return launched
 
     engine.runner.launch = counting

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
+from benchmarks.step import NEAR_ZERO, write_random_llama
 from gateway.cli import main
 
+# the tests' tiny model (conftest.py), smaller still: benchmarks run it many times
 TINY_LLAMA = dict(
+    NEAR_ZERO,
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    head_dim=8,
     max_position_embeddings=512,
-    tie_word_embeddings=True,
 )
 SMALL_ENGINE = ["--dtype", "float32", "--kv-cache-memory", "8MiB", "--swap-space", "0.01"]
 
@@ -25,22 +25,7 @@ SMALL_ENGINE = ["--dtype", "float32", "--kv-cache-memory", "8MiB", "--swap-space
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """Random-initialised 2-layer Llama with the default model's tokenizer files."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from runtime.models.source import open_model
-
-    default = open_model(None)
-    source = default.tokenizer_dir()
-    target = tmp_path_factory.mktemp("tiny-llama")
-    vocab_size = default.hf_config["vocab_size"]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **TINY_LLAMA))
-    model.save_pretrained(target)
-    for path in source.iterdir():
-        if path.name != "generation_config.json":
-            shutil.copy(path, target / path.name)
-    return target
+    return write_random_llama(tmp_path_factory.mktemp("tiny-llama"), TINY_LLAMA)
 
 
 def run_bench(argv: list[str], result_path: Path) -> dict:

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from runtime.config import EngineConfig
-from runtime.engine import Engine, RequestError
-from runtime.engine_client import AbortRequest, AddRequest, EngineClient
+from runtime.engine import Engine, NewRequest, RequestError
+from runtime.engine_client import AbortRequest, EngineClient
 from scheduler.request import SamplingParams
 
 
@@ -82,8 +82,8 @@ async def test_abort_all_ends_every_open_stream(engine, client):
 
 
 def test_commands_are_typed_values():
-    add = AddRequest("r-1", [1, 2], greedy(2), priority=3, tenant="acme")
-    assert add == AddRequest("r-1", [1, 2], greedy(2), priority=3, tenant="acme")
+    add = NewRequest([1, 2], greedy(2), "r-1", priority=3, tenant="acme")
+    assert add == NewRequest([1, 2], greedy(2), "r-1", priority=3, tenant="acme")
     assert AbortRequest("r-1") != AbortRequest("r-2")
     with pytest.raises(AttributeError):
         add.priority = 0  # frozen: the engine thread reads what the event loop sent

@@ -18,6 +18,7 @@ from runtime.models.attention import ForwardContext
 from runtime.step.cuda_graphs import DecodeGraphs, MixedGraphs, token_buckets
 from runtime.step.inputs import StepInputs, device_step, prepare_host_step
 from runtime.step.model_runner import ModelRunner
+from scheduler.output import SchedulerOutput, new_row
 from scheduler.request import Request, SamplingParams
 
 MAX_SEQS = 6
@@ -97,8 +98,9 @@ def make_step(runner, shape: list[tuple[int, int]]) -> list[tuple[Request, int]]
 
 
 def prepare(runner, scheduled) -> StepInputs:
+    runner.input_batch.apply(SchedulerOutput(new_rows=[new_row(r) for r, _ in scheduled]))
     host = prepare_host_step(runner.input_batch, scheduled, runner.block_size)
-    inputs = device_step(runner.input_batch, host, runner.staging.stage(host.parts))
+    inputs = device_step(runner.input_batch, host, runner.staging.stage(host.tensors))
     runner.backend.prepare(inputs.attn)
     return inputs
 
@@ -130,7 +132,7 @@ def compare_paths(runner, graphs: MixedGraphs, shape) -> int:
         assert padded.shape == eager.shape
         torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
         logits = runner.model.compute_logits
-        index = inputs.sample_index
+        index = inputs.staged.sample_index
         assert torch.equal(logits(padded[index]).argmax(-1), logits(eager[index]).argmax(-1))
         # the step's slots hold its keys and values, every other slot is untouched
         real = torch.zeros(slot_view(cache).shape[2], dtype=torch.bool, device=cache.device)

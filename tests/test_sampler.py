@@ -5,14 +5,10 @@ from collections import Counter
 
 import pytest
 import torch
+from test_sampling_support import apply_penalties, sample, top_k_top_p_candidates
 
-from runtime.sampling.sampler import (
-    Sampler,
-    SamplerOutput,
-    TokenLogprobs,
-    apply_penalties,
-    top_k_top_p_candidates,
-)
+from runtime.sampling.plan import SamplerOutput, TokenLogprobs
+from runtime.sampling.sampler import Sampler
 from scheduler.request import Request, SamplingParams
 
 VOCAB_SIZE = 32
@@ -32,14 +28,14 @@ def random_logits(num_rows: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) ->
 def draw_many(sampler: Sampler, logits_row: torch.Tensor, num_draws: int, **params) -> Counter:
     """num_draws samples from one distribution, as one batch of distinct requests."""
     requests = [make_request(f"r{i}", **params) for i in range(num_draws)]
-    output = sampler.sample(logits_row.expand(num_draws, -1), requests)
+    output = sample(sampler, logits_row.expand(num_draws, -1), requests)
     return Counter(output.token_ids)
 
 
 def test_greedy_is_argmax():
     logits = random_logits(6)
     requests = [make_request(f"r{i}", temperature=0.0) for i in range(6)]
-    output = Sampler(VOCAB_SIZE).sample(logits, requests)
+    output = sample(Sampler(VOCAB_SIZE), logits, requests)
     assert isinstance(output, SamplerOutput)
     assert output.token_ids == logits.argmax(dim=-1).tolist()
     assert output.logprobs == [None] * 6
@@ -48,19 +44,19 @@ def test_greedy_is_argmax():
 def test_top_k_one_is_greedy_at_any_temperature():
     logits = random_logits(8, seed=1)
     requests = [make_request(f"r{i}", temperature=1.5, top_k=1) for i in range(8)]
-    assert Sampler(VOCAB_SIZE).sample(logits, requests).token_ids == logits.argmax(-1).tolist()
+    assert sample(Sampler(VOCAB_SIZE), logits, requests).token_ids == logits.argmax(-1).tolist()
 
 
 def test_any_float_dtype_and_padded_vocab():
     logits = random_logits(3, vocab_size=VOCAB_SIZE + 8)
     logits[:, VOCAB_SIZE:] = 100.0  # padding columns beyond the vocab never win
     requests = [make_request(f"r{i}", temperature=0.0) for i in range(3)]
-    output = Sampler(VOCAB_SIZE).sample(logits.to(torch.bfloat16), requests)
+    output = sample(Sampler(VOCAB_SIZE), logits.to(torch.bfloat16), requests)
     assert all(t < VOCAB_SIZE for t in output.token_ids)
-    random_output = Sampler(VOCAB_SIZE, seed=0).sample(logits[:1].half(), [make_request(seed=1)])
+    random_output = sample(Sampler(VOCAB_SIZE, seed=0), logits[:1].half(), [make_request(seed=1)])
     assert random_output.token_ids[0] < VOCAB_SIZE
     penalised = make_request(temperature=0.0, output=[3], repetition_penalty=1.5)
-    assert Sampler(VOCAB_SIZE).sample(logits[:1], [penalised]).token_ids[0] < VOCAB_SIZE
+    assert sample(Sampler(VOCAB_SIZE), logits[:1], [penalised]).token_ids[0] < VOCAB_SIZE
 
 
 def crafted_logits() -> torch.Tensor:
@@ -96,7 +92,7 @@ def test_top_k_and_top_p_mixed_in_one_batch():
             make_request(f"p{i}", top_p=0.2),
             make_request(f"g{i}", temperature=0.0),
         ]
-        k_token, p_token, greedy_token = sampler.sample(logits, requests).token_ids
+        k_token, p_token, greedy_token = sample(sampler, logits, requests).token_ids
         assert k_token in (0, 1) and p_token == 0 and greedy_token == 0
 
 
@@ -117,7 +113,7 @@ def seeded_tokens(sampler: Sampler, logits_row: torch.Tensor, others: int, posit
     requests.insert(position, make_request("seeded", seed=42, temperature=1.0))
     logits = random_logits(others + 1, seed=others + 7)
     logits[position] = logits_row
-    output = sampler.sample(logits, requests)
+    output = sample(sampler, logits, requests)
     sampler.release("seeded")
     return output.token_ids[position]
 
@@ -134,7 +130,7 @@ def test_same_seed_same_token_alone_in_batch_and_in_other_position():
 def test_different_seeds_differ():
     logits = torch.zeros(1, VOCAB_SIZE)
     tokens = {
-        Sampler(VOCAB_SIZE).sample(logits, [make_request(seed=seed)]).token_ids[0]
+        sample(Sampler(VOCAB_SIZE), logits, [make_request(seed=seed)]).token_ids[0]
         for seed in range(20)
     }
     assert len(tokens) > 5
@@ -149,11 +145,11 @@ def test_generator_state_survives_across_calls_and_interleaving():
             request = make_request("seeded", seed=7)
             if interleave:
                 others = [make_request(f"o{step}", seed=step), make_request(f"u{step}")]
-                sampler.sample(random_logits(2, seed=step), others)
+                sample(sampler, random_logits(2, seed=step), others)
                 batch = [others[1], request, others[0]]
-                tokens.append(sampler.sample(torch.zeros(3, VOCAB_SIZE), batch).token_ids[1])
+                tokens.append(sample(sampler, torch.zeros(3, VOCAB_SIZE), batch).token_ids[1])
             else:
-                tokens.append(sampler.sample(logits_row, [request]).token_ids[0])
+                tokens.append(sample(sampler, logits_row, [request]).token_ids[0])
         return tokens
 
     plain = seeded_sequence(Sampler(VOCAB_SIZE), interleave=False)
@@ -164,9 +160,9 @@ def test_generator_state_survives_across_calls_and_interleaving():
 def test_release_restarts_the_seed():
     sampler = Sampler(VOCAB_SIZE)
     logits = torch.zeros(1, VOCAB_SIZE)
-    first = [sampler.sample(logits, [make_request(seed=3)]).token_ids[0] for _ in range(4)]
+    first = [sample(sampler, logits, [make_request(seed=3)]).token_ids[0] for _ in range(4)]
     sampler.release("r")
-    again = [sampler.sample(logits, [make_request(seed=3)]).token_ids[0] for _ in range(4)]
+    again = [sample(sampler, logits, [make_request(seed=3)]).token_ids[0] for _ in range(4)]
     assert again == first
 
 
@@ -194,7 +190,7 @@ def test_penalties_match_hand_computed_logits():
     penalised = apply_penalties(logits, [request])
     torch.testing.assert_close(penalised[0], expected)
     assert logits[0, 3] == 3.0  # the caller's logits are untouched
-    output = Sampler(6).sample(logits, [request])
+    output = sample(Sampler(6), logits, [request])
     assert output.token_ids == [0]  # token 3 led before the penalties
 
 
@@ -206,7 +202,7 @@ def test_penalties_apply_only_to_their_rows():
         make_request("b", output=[4], temperature=0.0, frequency_penalty=2.0, presence_penalty=2.0),
         make_request("c", output=[4], temperature=0.0),
     ]
-    penalised = Sampler(VOCAB_SIZE).sample(logits, requests).token_ids
+    penalised = sample(Sampler(VOCAB_SIZE), logits, requests).token_ids
     assert penalised[0] == penalised[2] == 4
     assert penalised[1] == (logits[1] - 4.0 * (torch.arange(VOCAB_SIZE) == 4)).argmax().item()
 
@@ -219,7 +215,7 @@ def test_logprobs_match_log_softmax():
         make_request("c"),
         make_request("d", logprobs=2, presence_penalty=1.0, output=[0, 1]),
     ]
-    output = Sampler(VOCAB_SIZE, seed=0).sample(logits, requests)
+    output = sample(Sampler(VOCAB_SIZE, seed=0), logits, requests)
     expected = torch.log_softmax(logits, dim=-1)
     assert output.logprobs[2] is None
     for row in (0, 1, 3):
@@ -273,6 +269,6 @@ def test_seeded_token_is_the_same_with_and_without_filters_in_the_batch():
     for others in ([], [dict(top_k=20)], [dict(top_p=0.999), dict(top_k=3000)]):
         requests = [make_request("s", seed=5, top_p=0.8)]
         requests += [make_request(f"o{i}", **params) for i, params in enumerate(others)]
-        tokens.add(sampler.sample(logits[: len(requests)], requests).token_ids[0])
+        tokens.add(sample(sampler, logits[: len(requests)], requests).token_ids[0])
         sampler.release("s")
     assert len(tokens) == 1

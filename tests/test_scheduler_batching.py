@@ -27,7 +27,7 @@ def test_dynamic_waits_for_the_window_then_runs_what_came():
     first = add(s, "a", 0, max_tokens=2)
     clock.now = 0.4
     add(s, "b", 0, max_tokens=2)
-    assert step(s).is_empty and s.seconds_until_runnable() == 0.6
+    assert not step(s).scheduled and s.seconds_until_runnable() == 0.6
     assert kinds(first) == ["queued", "waiting_for_batch"]
     clock.now = 1.0
     assert scheduled_ids(step(s)) == {"a", "b"}
@@ -36,7 +36,7 @@ def test_dynamic_waits_for_the_window_then_runs_what_came():
 def test_dynamic_starts_at_once_when_the_batch_is_full():
     s, clock = make("dynamic", max_seqs=2, window=60.0)
     add(s, "a", 0)
-    assert step(s).is_empty
+    assert not step(s).scheduled
     second = add(s, "b", 0)
     assert s.seconds_until_runnable() == 0.0
     assert "waiting_for_batch" not in kinds(second)  # it completed the batch

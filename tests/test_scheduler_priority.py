@@ -40,7 +40,7 @@ def add(scheduler, rid, priority, prompt_len=4, max_tokens=50, tenant="t", now=N
 def step(scheduler):
     out = scheduler.schedule()
     sampled = {
-        r.request_id: 7 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
+        r.request_id: [7] for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
     }
     scheduler.mark_launched(out)
     scheduler.update_from_output(out, sampled)
@@ -189,3 +189,16 @@ def test_queued_event_names_who_is_ahead():
     assert queued.data["ahead_tenants"] == ["acme", "globex"] and queued.data[
         "ahead_priorities"
     ] == [0, 1]
+
+
+def test_each_later_chunk_of_a_prompt_is_recorded_and_decodes_are_not():
+    scheduler, clock = make(budget=16)
+    request = add(scheduler, "long", 0, prompt_len=40, max_tokens=3)
+    while scheduler.has_unfinished():
+        clock.now += 1.0
+        step(scheduler)
+    kinds = [(e.kind, e.data.get("num_tokens")) for e in request.events]
+    scheduled = [k for k in kinds if k[0] in ("scheduled", "prefill_chunk")]
+    assert scheduled == [("scheduled", 16), ("prefill_chunk", 16), ("prefill_chunk", 8)]
+    chunks = [e for e in request.events if e.kind == "prefill_chunk"]
+    assert [e.data["num_computed_tokens"] for e in chunks] == [16, 32]

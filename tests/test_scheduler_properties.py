@@ -124,7 +124,7 @@ def test_scheduler_invariants(
         out = scheduler.schedule()
         check_step(scheduler, out)
         sampled = {
-            r.request_id: rng.randrange(0, 50)
+            r.request_id: [rng.randrange(0, 50)]
             for r, n in out.scheduled
             if r.num_computed_tokens + n == r.num_tokens
         }
@@ -166,7 +166,7 @@ def run_tenants(weights: dict[str, float], steps: int = 400) -> Counter:
         for r, n in out.scheduled:
             served[r.tenant] += n
         sampled = {
-            r.request_id: 5 for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
+            r.request_id: [5] for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens
         }
         scheduler.mark_launched(out)
         scheduler.update_from_output(out, sampled)

@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.step import model_runner, staging
+from runtime.step import inputs as step_inputs
+from runtime.step import model_runner
 from scheduler.request import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,8 +99,8 @@ def count_step_copies(recorder: SyncRecorder, monkeypatch) -> dict[str, int]:
         copies["to_host"] += 1
         return host_copy(device_tensor)
 
-    staging_copy, host_copy = staging.copy_to_device, model_runner.copy_to_host
-    monkeypatch.setattr(staging, "copy_to_device", counted_to_device)
+    staging_copy, host_copy = step_inputs.copy_to_device, model_runner.copy_to_host
+    monkeypatch.setattr(step_inputs, "copy_to_device", counted_to_device)
     monkeypatch.setattr(model_runner, "copy_to_host", counted_to_host)
     return copies
 
@@ -142,7 +143,7 @@ def test_async_scheduling_keeps_one_copy_each_way(engine, monkeypatch):
     def recording_launch(out, previous=None):
         launched = launch(out, previous)
         if launched.host is not None:
-            launched_with_pending.append("pending_dst" in launched.host.parts)
+            launched_with_pending.append(launched.host.tensors.pending_dst is not None)
         return launched
 
     monkeypatch.setattr(engine.runner, "launch", recording_launch)

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 import xgrammar as xgr
+from test_sampling_support import plan_for
 
-from runtime.sampling.plan import param_rows, plan_sampling
 from runtime.sampling.sampler import Sampler
 from runtime.structured.compiler import GrammarCompiler
 from runtime.structured.masks import MaskBuilder
@@ -85,7 +85,7 @@ def brute_force_allowed(prefix: str) -> set[int]:
 
 
 def masked_logits(builder: MaskBuilder, requests: list[Request], logits: torch.Tensor):
-    pending = builder.start(requests)
+    pending = builder.start([r.request_id for r in requests])
     return pending.result().apply(logits.clone())
 
 
@@ -130,10 +130,8 @@ def test_only_constrained_rows_are_masked_and_sampled_within_their_grammar(compi
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
     for r, p in zip(requests, params):
         r.sampling_params = p
-    host_params = param_rows(params)
-    plan = plan_sampling(host_params, requests)
-    indices = {name: index for name, index in plan.host_indices.items()}
-    mask = builder.start(requests).result()
+    plan, indices, host_params = plan_for(requests)
+    mask = builder.start([r.request_id for r in requests]).result()
     sampler = Sampler(compiler.vocab_size)
     for _ in range(5):
         ids = sampler.sample_on_device(logits.clone(), plan, host_params, indices, None, mask)
@@ -142,7 +140,7 @@ def test_only_constrained_rows_are_masked_and_sampled_within_their_grammar(compi
 
 def test_no_constrained_request_means_no_mask_work(compiler):
     builder = MaskBuilder(GrammarMatchers(), compiler.vocab_size, torch.device("cpu"))
-    assert builder.start([Request("x", [0])]) is None
+    assert builder.start(["x"]) is None
 
 
 def test_mask_warm_up_runs_both_apply_paths_and_allows_everything(compiler, monkeypatch):

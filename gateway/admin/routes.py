@@ -12,20 +12,23 @@ from it and `GET /admin/openapi.json` is generated from it. Tenants and keys liv
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any
+import typing
+from dataclasses import fields
+from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
 from gateway.admin import tenants as tenants_api
 from gateway.appkeys import AUTHENTICATOR, ENGINE_CLIENT, METRICS, SERVING_STATE, SETTINGS
 from gateway.audit import routes as requests_api
+from gateway.audit.ids import split_sequence_id
 from gateway.errors import APIError
 from gateway.openapi import AUTH_ERRORS, BEARER_ADMIN, Route, add_routes, build_document
+from gateway.pages import auth as page_auth
+from gateway.pages import routes as pages
 from gateway.tenancy.keys import looks_like_key
-
-if TYPE_CHECKING:
-    from runtime.engine_client import SequenceSnapshot
+from runtime.engine_client import SequenceSnapshot
 
 OPENAPI_PATH = "/openapi.json"
 
@@ -34,27 +37,35 @@ OPENAPI_PATH = "/openapi.json"
 def admin_token_middleware():
     @web.middleware
     async def require_admin_token(request: web.Request, handler):
-        tokens = request.config_dict[SETTINGS].admin_tokens
-        if not tokens:
-            raise APIError(403, "The admin API is disabled: no --admin-tokens configured.")
-        given = bearer(request)
-        if given is None:
-            raise APIError(401, "An admin token is required.", code="missing_admin_token")
-        if not is_admin_token(given, tokens):
-            if await is_tenant_key(request, given):
-                raise APIError(
-                    403, "Tenant API keys cannot use the admin API.", code="not_an_admin_token"
-                )
-            raise APIError(401, "A valid admin token is required.", code="invalid_admin_token")
+        try:
+            await check_admin_token(request)
+        except APIError as error:  # a page asks the browser for the token
+            raise page_auth.challenged(request, error) from None
         return await handler(request)
 
     return require_admin_token
 
 
+async def check_admin_token(request: web.Request) -> None:
+    tokens = request.config_dict[SETTINGS].admin_tokens
+    if not tokens:
+        raise APIError(403, "The admin API is disabled: no --admin-tokens configured.")
+    given = bearer(request)
+    if given is None:
+        raise APIError(401, "An admin token is required.", code="missing_admin_token")
+    if not is_admin_token(given, tokens):
+        if await is_tenant_key(request, given):
+            raise APIError(
+                403, "Tenant API keys cannot use the admin API.", code="not_an_admin_token"
+            )
+        raise APIError(401, "A valid admin token is required.", code="invalid_admin_token")
+
+
 def bearer(request: web.Request) -> str | None:
+    """`Bearer <token>`; on a GET or HEAD also Basic with the token as password (the pages)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        return None
+        return page_auth.basic_password(request)
     return token.strip()
 
 
@@ -74,19 +85,24 @@ async def is_tenant_key(request: web.Request, given: str) -> bool:
 
 
 # ---- live engine -----------------------------------------------------------------------------
-class SequenceState(BaseModel):
-    request_id: str = Field(description="the HTTP request id (x-request-id)")
-    sequence_id: str = Field(description="the engine's id: <request_id>-<choice>")
-    tenant: str
-    priority: int
-    status: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_computed_tokens: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    num_preemptions: int
-    age_s: float = Field(description="seconds since the engine received it")
+def _snapshot_fields() -> dict[str, Any]:
+    """SequenceSnapshot's fields as pydantic field definitions (the engine's clock left out)."""
+    hints = typing.get_type_hints(SequenceSnapshot)
+    return {
+        f.name: (hints[f.name], ...)
+        for f in fields(SequenceSnapshot)
+        if f.name not in ("arrival_time", "sequence_id")
+    }
+
+
+# a running, waiting or swapped sequence: the engine's snapshot of it, and what it means here
+SequenceState = create_model(
+    "SequenceState",
+    request_id=(str, Field(description="the HTTP request id (x-request-id)")),
+    sequence_id=(str, Field(description="the engine's id: <request_id>-<choice>")),
+    age_s=(float, Field(description="seconds since the engine received it")),
+    **_snapshot_fields(),
+)
 
 
 class PoolUsage(BaseModel):
@@ -123,21 +139,13 @@ class EngineState(BaseModel):
 
 
 def sequence_state(sequence: SequenceSnapshot, now: float) -> SequenceState:
-    sequence_id = sequence.sequence_id
-    http_id, _, choice = sequence_id.rpartition("-")
+    snapshot = {f.name: getattr(sequence, f.name) for f in fields(SequenceSnapshot)}
+    arrival_time = snapshot.pop("arrival_time")
+    parsed = split_sequence_id(sequence.sequence_id)
     return SequenceState(
-        request_id=http_id if choice.isdigit() and http_id else sequence_id,
-        sequence_id=sequence_id,
-        tenant=sequence.tenant,
-        priority=sequence.priority,
-        status=sequence.status,
-        num_prompt_tokens=sequence.num_prompt_tokens,
-        num_output_tokens=sequence.num_output_tokens,
-        num_computed_tokens=sequence.num_computed_tokens,
-        num_gpu_blocks=sequence.num_gpu_blocks,
-        num_cpu_blocks=sequence.num_cpu_blocks,
-        num_preemptions=sequence.num_preemptions,
-        age_s=max(now - sequence.arrival_time, 0.0),
+        request_id=parsed[0] if parsed else sequence.sequence_id,
+        age_s=max(now - arrival_time, 0.0),
+        **snapshot,
     )
 
 
@@ -276,4 +284,5 @@ def create_admin_app() -> web.Application:
     admin = web.Application(middlewares=[admin_token_middleware()])
     add_routes(admin, ROUTES)
     admin.router.add_get(OPENAPI_PATH, openapi_document)
+    pages.add_admin_routes(admin.router)  # the timeline and console pages (HTML)
     return admin

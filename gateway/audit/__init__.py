@@ -1,5 +1,6 @@
 """Why was my request slow: audit records, the writer and its spool, explanations of delays,
-the queries behind `/admin/requests` and `/v1/requests/{id}`, and retention.
+a request's timeline data (drawn by `gateway.pages`), the queries behind `/admin/requests` and
+`/v1/requests/{id}` (whose explanation links to the timeline page), and retention.
 
-Must not import: gateway.openai, gateway.admin
+Must not import: gateway.openai, gateway.admin, gateway.pages
 """

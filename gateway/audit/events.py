@@ -7,6 +7,7 @@ from scheduler.events import (  # noqa: F401 (re-exported: the audit trail's eng
     ABORTED,
     FINISHED,
     PREEMPTED,
+    PREFILL_CHUNK,
     PRIORITY_AGED,
     QUEUED,
     RECOMPUTE_STARTED,
@@ -25,5 +26,7 @@ ADMITTED = "admitted"  # capacity and the tenant's limits let it in
 REFUSED = "refused"  # it got a 4xx/5xx before the engine saw it
 GRAMMAR_PREPARED = "grammar_prepared"  # constrained: its grammar's kind, compile ms, cache hit
 FIRST_TOKEN = "first_token"
+DECODE_PROGRESS = "decode_progress"  # a choice's output count every DECODE_PROGRESS_EVERY tokens
+DECODE_PROGRESS_EVERY = 32
 CANCELLED = "cancelled"  # by an operator
 COMPLETED = "completed"  # the gateway settled it (refund, audit record)

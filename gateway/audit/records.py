@@ -27,18 +27,6 @@ from gateway.errors import (
 
 log = logging.getLogger(__name__)
 
-# A response's body id is one of these prefixes and the audit record's id (the x-request-id).
-COMPLETION_ID_PREFIX = "cmpl-"
-CHAT_COMPLETION_ID_PREFIX = "chatcmpl-"
-
-
-def record_id_of(any_id: str) -> str:
-    """The audit record id for either id a client holds: the body's or the bare x-request-id."""
-    for prefix in (CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX):
-        if any_id.startswith(prefix):
-            return any_id.removeprefix(prefix)
-    return any_id
-
 
 @contextlib.asynccontextmanager
 async def auditing_invalid_requests(request: web.Request) -> AsyncIterator[None]:

@@ -22,15 +22,16 @@ from pydantic import (
 
 from gateway.appkeys import AUDIT, PRINCIPAL, SESSIONMAKER
 from gateway.audit.explain import explain, redact_events
+from gateway.audit.ids import record_id_of
 from gateway.audit.queries import (
     MAX_PAGE_SIZE,
     AuditEventOut,
     AuditRecordOut,
+    RequestDetail,
     RequestPage,
     get_request,
     list_requests,
 )
-from gateway.audit.records import record_id_of
 from gateway.errors import APIError, bad_request
 
 READ_THROUGH_TIMEOUT_S = 5.0
@@ -110,6 +111,7 @@ class RequestDetailOut(BaseModel):
     total_time_s: float | None
     total_delay_s: float
     service_time_s: float | None
+    timeline_url: str = Field(description="the request's timeline page (HTML), same key")
 
 
 def query_of(request: web.Request) -> RequestQuery:
@@ -175,7 +177,13 @@ async def own_request(request: web.Request) -> web.Response:
 async def request_detail(
     request: web.Request, given_id: str, tenant_id: int | None, viewer: str | None
 ) -> RequestDetailOut:
-    """The record of a body id (`cmpl-…`, `chatcmpl-…`) or an x-request-id. Read through the
+    """The record of a body id (`cmpl-…`, `chatcmpl-…`) or an x-request-id, explained."""
+    detail = await find_detail(request, given_id, tenant_id)
+    return with_explanation(detail.record, detail.events, viewer)
+
+
+async def find_detail(request: web.Request, given_id: str, tenant_id: int | None) -> RequestDetail:
+    """The record and events of a body id or an x-request-id (404 otherwise). Read through the
     audit writer: a record still queued is written first, so it is readable as soon as the
     response has ended."""
     if not REQUEST_ID_PATTERN.fullmatch(given_id):
@@ -186,7 +194,7 @@ async def request_detail(
         detail = await read_detail(request, request_id, tenant_id)
     if detail is None:
         raise APIError(404, f"No request {given_id!r} in the audit log.", code="not_found")
-    return with_explanation(detail.record, detail.events, viewer)
+    return detail
 
 
 async def read_detail(request: web.Request, request_id: str, tenant_id: int | None):
@@ -222,7 +230,13 @@ def with_explanation(
         total_time_s=explanation.total_time_s,
         total_delay_s=explanation.total_delay_s,
         service_time_s=explanation.service_time_s,
+        timeline_url=timeline_url(record.id, viewer),
     )
+
+
+def timeline_url(request_id: str, viewer: str | None) -> str:
+    """The timeline page of a record: under `/v1` for its tenant, `/admin` for an operator."""
+    return f"{'/admin' if viewer is None else '/v1'}/requests/{request_id}/timeline"
 
 
 __all__ = ["RequestDetailOut", "RequestPage", "RequestQuery"]

@@ -20,6 +20,7 @@ from gateway.appkeys import (
     REQUEST_ID,
     Principal,
 )
+from gateway.audit.ids import sequence_id
 from gateway.errors import (
     bad_request,
     model_not_found,
@@ -37,6 +38,7 @@ from gateway.openai.structured import (
     template_messages,
     template_tools,
 )
+from runtime.engine import prompt_error
 from runtime.engine_client import EngineInfo
 from scheduler.request import GrammarSpec, SamplingParams, SamplingParamsError
 
@@ -71,7 +73,7 @@ class Plan:
 
     def sequence_id(self, choice: int) -> str:
         """The engine request id of one choice."""
-        return f"{self.request_id}-{choice}"
+        return sequence_id(self.request_id, choice)
 
     def mono_to_wall(self, mono: float | None) -> float | None:
         return None if mono is None else self.received_at + (mono - self.received_mono)
@@ -134,20 +136,11 @@ def check_prompt_fits(
 ) -> None:
     """The prompt's ids are in the vocabulary, and prompt + max_tokens fits the context and the
     KV cache: everything the engine would refuse, checked once, with its fixed facts."""
-    if not prompt:
-        raise bad_request("The prompt is empty.", param=param)
-    if any(not 0 <= token_id < info.vocab_size for token_id in prompt):
-        raise bad_request(f"Token ids must be in [0, {info.vocab_size}).", param=param)
     num_output = max_tokens or 1  # no max_tokens: whatever fits, at least one token
     max_len = min(info.max_model_len, info.kv_capacity_tokens)
-    if len(prompt) + num_output > max_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_len} tokens. However, you "
-            f"requested {len(prompt) + num_output} tokens ({len(prompt)} in the prompt, "
-            f"{num_output} for the completion). Please reduce the prompt or max_tokens.",
-            param=param,
-            code="context_length_exceeded",
-        )
+    error = prompt_error(prompt, info.vocab_size, max_len, num_output, param)
+    if error is not None:
+        raise bad_request(str(error), param=param, code=error.code)
 
 
 def check_sampling(info: EngineInfo, params: SamplingParams) -> None:

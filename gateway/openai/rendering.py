@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gateway.audit.records import CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX
+from gateway.audit.ids import CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX
 from gateway.openai.planning import Plan
 from gateway.openai.responses import (
     AssistantMessage,

@@ -191,15 +191,35 @@ async def run(
 async def full_response(
     plan: Plan, fmt: Format, tracker: Tracker, outputs: AsyncIterator
 ) -> web.Response:
-    choices = [ChoiceState(i) for i in range(plan.num_choices)]
-    num_cached = 0
+    gathered = Gathered(plan.num_choices)
+    async with contextlib.aclosing(gather(outputs, tracker, gathered)) as items:
+        async for _ in items:
+            pass
+    body = full_body(plan, fmt, gathered.choices, gathered.num_cached)
+    return json_model(body, headers=response_headers(tracker))
+
+
+class Gathered:
+    """What a response's outputs add up to so far: each choice and the cached prompt tokens."""
+
+    def __init__(self, num_choices: int) -> None:
+        self.choices = [ChoiceState(i) for i in range(num_choices)]
+        self.num_cached = 0
+
+
+async def gather(
+    outputs: AsyncIterator, tracker: Tracker, gathered: Gathered
+) -> AsyncIterator[tuple[ChoiceState, Any]]:
+    """The one loop over a response's engine outputs, streamed or not: each is tracked and
+    added to its choice, then yielded with that choice. Closing it closes the outputs (which
+    aborts the requests still running)."""
     async with contextlib.aclosing(outputs):
         async for choice, output in outputs:
             tracker.observe(choice, output)
-            choices[choice].add(output)
-            num_cached = max(num_cached, output.num_cached_tokens)
-    body = full_body(plan, fmt, choices, num_cached)
-    return json_model(body, headers=response_headers(tracker))
+            state = gathered.choices[choice]
+            state.add(output)
+            gathered.num_cached = max(gathered.num_cached, output.num_cached_tokens)
+            yield state, output
 
 
 async def stream_response(
@@ -237,19 +257,15 @@ async def write_events(
     head = envelope(plan, fmt, created, chunk=True)
     if include_usage:
         head["usage"] = None
-    choices = [ChoiceState(i) for i in range(plan.num_choices)]
     for delta in fmt.first_deltas(plan.num_choices):
         await response.write(sse(fmt.chunk_model(**head, choices=[delta])))
-    num_cached = 0
-    async with contextlib.aclosing(outputs):
-        async for choice, output in outputs:
-            tracker.observe(choice, output)
-            choices[choice].add(output)
-            num_cached = max(num_cached, output.num_cached_tokens)
-            for delta in fmt.deltas(choices[choice], output):
+    gathered = Gathered(plan.num_choices)
+    async with contextlib.aclosing(gather(outputs, tracker, gathered)) as items:
+        async for state, output in items:
+            for delta in fmt.deltas(state, output):
                 await response.write(sse(fmt.chunk_model(**head, choices=[delta])))
     if include_usage:
-        usage = usage_of(plan, choices, num_cached)
+        usage = usage_of(plan, gathered.choices, gathered.num_cached)
         await response.write(sse(fmt.chunk_model(**{**head, "usage": usage}, choices=[])))
 
 

@@ -67,6 +67,7 @@ class Tracker:
         self.num_output_tokens[choice] = output.num_output_tokens
         if output.new_token_ids:
             self._note_token(choice)
+            self._note_progress(choice, len(output.new_token_ids))
         if output.finished:
             self.finish_reasons[choice] = output.finish_reason
             if output.finish_reason == "abort":  # e.g. the drain timeout of a shutdown
@@ -84,6 +85,20 @@ class Tracker:
         if last is not None:
             self.inter_token_s.append(now - last)
         self.last_token_mono[choice] = now
+
+    def _note_progress(self, choice: int, num_new: int) -> None:
+        """Every DECODE_PROGRESS_EVERY tokens of a choice, its count and the time: the decode
+        rate along the way, for the timeline."""
+        count, every = self.num_output_tokens[choice], ev.DECODE_PROGRESS_EVERY
+        if self.keep_events and count // every > (count - num_new) // every:
+            self.events.append(
+                {
+                    "kind": ev.DECODE_PROGRESS,
+                    "time": time.monotonic(),
+                    "choice": choice,
+                    "num_output_tokens": count,
+                }
+            )
 
     def _note_scheduling(self, output) -> None:
         """The earliest first scheduling of any choice (clock: the engine's monotonic one)."""

@@ -1,9 +1,11 @@
-"""What a step's sampling needs, decided on the host from its own copy of the settings.
+"""What a step's sampling needs, decided on the host from its own copy of the settings, and how
+to read the sampled result back.
 
-Each request's SamplingParams become one row of floats (`param_rows`), kept on the host and on
+Each request's SamplingParams become one row of floats (`param_row`), kept on the host and on
 the device. From the host rows, `plan_sampling` works out which rows are greedy, random (plain or
-filtered), penalised, seeded or want logprobs, as small index tensors that travel to the device
-with the step's inputs; the device then gathers the float settings it needs from its own rows.
+filtered), penalised, seeded or want logprobs, as small index tensors (`SamplingIndices`) that
+travel to the device with the step's inputs; the device then gathers the float settings it needs
+from its own rows. `unpack` reads the one copy that comes back.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.sampling.ops import FilterSettings, PenaltyInputs
-from scheduler.request import Request, SamplingParams
+from scheduler.request import SamplingParams
 
 # columns of a parameter row (float64: exact for every int a setting holds)
 TEMPERATURE, TOP_K, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE, HAS_SEED, LOGPROBS = range(9)
@@ -42,12 +44,27 @@ def param_rows(all_params: Sequence[SamplingParams]) -> torch.Tensor:
 
 
 @dataclass
+class GroupIndices:
+    rows: torch.Tensor  # [num_rows] the group's rows of the logits
+    unseeded: torch.Tensor  # [num_unseeded] its unseeded rows, within the group
+
+
+@dataclass
+class SamplingIndices:
+    """The plan's index tensors (int64), staged with the step's inputs."""
+
+    logprob_rows: torch.Tensor | None = None  # [num_logprob_rows]
+    penalty_rows: torch.Tensor | None = None  # [num_penalised]
+    prompt_ids: torch.Tensor | None = None  # [num_penalised, longest], padded with -1
+    output_ids: torch.Tensor | None = None  # [num_penalised, longest], padded with -1
+    random: list[GroupIndices] = field(default_factory=list)  # as plan.random_groups
+
+
+@dataclass
 class RandomGroup:
     """Rows that sample at random and share one candidate shape (all plain or all filtered)."""
 
-    rows_key: str  # name of its [num_rows] index tensor (rows of the logits)
     covers_all: bool  # every row of the batch, in order (no gather needed)
-    unseeded_key: str  # name of its [num_unseeded] index tensor (rows within the group)
     num_unseeded: int
     seeded: list[tuple[int, str, int]]  # (row within the group, request id, seed)
     is_filtered: bool
@@ -63,12 +80,13 @@ class SamplingPlan:
     max_top_n: int | None  # None: nobody wants logprobs
     logprob_top_ns: list[tuple[int, int]]  # (row, top n) of rows that want logprobs
     random_groups: list[RandomGroup]
-    host_indices: dict[str, torch.Tensor] = field(default_factory=dict)  # int64, to the device
-    penalty_rows: list[int] = field(default_factory=list)
 
 
-def plan_sampling(params: torch.Tensor, requests: Sequence[Request]) -> SamplingPlan:
-    """params: [num_rows, NUM_PARAMS] host rows of the requests, in sampling order."""
+def plan_sampling(
+    params: torch.Tensor, request_ids: Sequence[str], seeds: Sequence[int | None]
+) -> tuple[SamplingPlan, SamplingIndices]:
+    """params: [num_rows, NUM_PARAMS] host rows of the requests, in sampling order; seeds: each
+    row's seed (seeded rows draw from a generator of their own, kept by request id)."""
     greedy = (params[:, TEMPERATURE] < 1e-5) | (params[:, TOP_K] == 1)
     penalised = (
         (params[:, PRESENCE] != 0) | (params[:, FREQUENCY] != 0) | (params[:, REPETITION] != 1)
@@ -81,45 +99,43 @@ def plan_sampling(params: torch.Tensor, requests: Sequence[Request]) -> Sampling
         logprob_top_ns=[],
         random_groups=[],
     )
+    indices = SamplingIndices()
     if plan.max_top_n is not None:
         rows = wants_logprobs.nonzero().flatten()
-        plan.host_indices["logprob_rows"] = rows
+        indices.logprob_rows = rows
         plan.logprob_top_ns = list(zip(rows.tolist(), params[rows, LOGPROBS].long().tolist()))
     if plan.has_penalties:
-        plan.host_indices["penalty_rows"] = penalised.nonzero().flatten()
-        plan.penalty_rows = plan.host_indices["penalty_rows"].tolist()
+        indices.penalty_rows = penalised.nonzero().flatten()
     filtered = (params[:, TOP_K] > 0) | (params[:, TOP_P] < 1.0)
-    for name, mask in (("plain", ~greedy & ~filtered), ("filtered", ~greedy & filtered)):
+    for is_filtered, mask in ((False, ~greedy & ~filtered), (True, ~greedy & filtered)):
         rows = mask.nonzero().flatten()
         if rows.numel():
-            plan.random_groups.append(_random_group(name, params, rows, requests, plan))
-    return plan
+            seeded = [(request_ids[r], seeds[r]) for r in rows.tolist()]
+            group, group_indices = _random_group(is_filtered, params, rows, seeded)
+            plan.random_groups.append(group)
+            indices.random.append(group_indices)
+    return plan, indices
 
 
-def _random_group(name, params, rows, requests, plan: SamplingPlan) -> RandomGroup:
+def _random_group(
+    is_filtered: bool, params, rows, ids_and_seeds
+) -> tuple[RandomGroup, GroupIndices]:
     group_params = params[rows]  # [num_rows, NUM_PARAMS]
     seeded = group_params[:, HAS_SEED] > 0
     seeded_rows = seeded.nonzero().flatten().tolist()
     unseeded_rows = (~seeded).nonzero().flatten()
-    plan.host_indices[f"{name}_rows"] = rows
-    plan.host_indices[f"{name}_unseeded"] = unseeded_rows
     top_ks = group_params[:, TOP_K]
     cutting = top_ks > 0  # a cut past the vocab is treated as a cut: its candidates cover it
-    return RandomGroup(
-        rows_key=f"{name}_rows",
+    group = RandomGroup(
         covers_all=len(rows) == len(params),
-        unseeded_key=f"{name}_unseeded",
         num_unseeded=int(unseeded_rows.numel()),
-        seeded=[(i, *_id_and_seed(requests[int(rows[i])])) for i in seeded_rows],  # few
-        is_filtered=name == "filtered",
+        seeded=[(i, *ids_and_seeds[i]) for i in seeded_rows],  # few
+        is_filtered=is_filtered,
         max_cutting_top_k=int(top_ks[cutting].max()) if bool(cutting.any()) else 1,
         all_cut_by_top_k=bool(cutting.all()),
         any_min_p=bool((group_params[:, MIN_P] > 0).any()),
     )
-
-
-def _id_and_seed(request: Request) -> tuple[str, int]:
-    return request.request_id, request.sampling_params.seed
+    return group, GroupIndices(rows, unseeded_rows)
 
 
 def settings_of(params: torch.Tensor, group: RandomGroup, vocab_size: int) -> FilterSettings:
@@ -137,24 +153,6 @@ def settings_of(params: torch.Tensor, group: RandomGroup, vocab_size: int) -> Fi
     )
 
 
-def filter_settings(params: torch.Tensor, vocab_size: int) -> FilterSettings:
-    """Settings of rows all filtered, facts read from the rows themselves (tests, tools)."""
-    top_ks = params[:, TOP_K]
-    cutting = (top_ks > 0) & (top_ks < vocab_size)
-    group = RandomGroup(
-        rows_key="",
-        covers_all=True,
-        unseeded_key="",
-        num_unseeded=0,
-        seeded=[],
-        is_filtered=True,
-        max_cutting_top_k=int(top_ks[cutting].max()) if bool(cutting.any()) else 1,
-        all_cut_by_top_k=bool(cutting.all()),
-        any_min_p=bool((params[:, MIN_P] > 0).any()),
-    )
-    return settings_of(params, group, vocab_size)
-
-
 def penalty_inputs(
     params: torch.Tensor, rows: torch.Tensor, prompt_ids: torch.Tensor, output_ids: torch.Tensor
 ) -> PenaltyInputs:
@@ -170,20 +168,40 @@ def penalty_inputs(
     )
 
 
-def penalty_inputs_from_requests(
-    requests: list[Request],
-    params: torch.Tensor,
-    indices: dict[str, torch.Tensor],
-) -> PenaltyInputs:
-    """The seen tokens from the requests' own lists (the sampler's standalone path)."""
-    rows = indices["penalty_rows"]
-    penalised = [requests[i] for i in rows.tolist()]
-    prompt = padded_token_ids([r.prompt_token_ids for r in penalised]).to(rows.device)
-    output = padded_token_ids([r.output_token_ids for r in penalised]).to(rows.device)
-    return penalty_inputs(params, rows, prompt, output)
-
-
 def padded_token_ids(token_lists: list[list[int]]) -> torch.Tensor:
     """[num_lists, longest] int64, padded with -1 (apply_penalty_inputs skips it)."""
     width = max(1, max(len(t) for t in token_lists))
     return torch.tensor([t + [-1] * (width - len(t)) for t in token_lists], dtype=torch.long)
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # top-n (token_id, logprob), best first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row of logits
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+def is_filtered(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0
+
+
+def unpack(host: torch.Tensor, plan: SamplingPlan) -> SamplerOutput:
+    """The host copy of sample_on_device's result -> token ids and logprobs."""
+    if plan.max_top_n is None:
+        token_ids = host.tolist()
+        return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
+    n = plan.max_top_n
+    rows = host.tolist()
+    token_ids = [int(row[0]) for row in rows]
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    for i, top_n in plan.logprob_top_ns:
+        row = rows[i]
+        top = [(int(t), lp) for t, lp in zip(row[2 + n : 2 + n + top_n], row[2 : 2 + top_n])]
+        logprobs[i] = TokenLogprobs(token_ids[i], row[1], top)
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

@@ -12,60 +12,24 @@ a torch.Generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from runtime.sampling.ops import (
-    CANDIDATE_STAGES,
     Candidates,
     PenaltyInputs,
     apply_penalty_inputs,
     argmax,
-    keep_top_k_top_p,
     pack_logprobs,
     prepare_candidates,
-    top_k_top_p_candidates_of,
 )
 from runtime.sampling.plan import (
+    GroupIndices,
     RandomGroup,
+    SamplingIndices,
     SamplingPlan,
-    filter_settings,
-    param_rows,
-    penalty_inputs_from_requests,
-    plan_sampling,
     settings_of,
 )
 from runtime.structured.masks import GrammarMask
-from scheduler.request import Request, SamplingParams
-
-__all__ = [
-    "CANDIDATE_STAGES",
-    "Sampler",
-    "SamplerOutput",
-    "TokenLogprobs",
-    "apply_penalties",
-    "is_filtered",
-    "keep_top_k_top_p",
-    "top_k_top_p_candidates",
-]
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # top-n (token_id, logprob), best first
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]  # one per row of logits
-    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
-
-
-def is_filtered(params: SamplingParams) -> bool:
-    return params.top_k > 0 or params.top_p < 1.0
 
 
 class Sampler:
@@ -75,25 +39,12 @@ class Sampler:
         self._request_generators: dict[str, torch.Generator] = {}
         self._shared_generators: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits: [num_seqs, >= vocab] (any float dtype), row i belongs to requests[i]."""
-        assert logits.dim() == 2 and logits.shape[0] == len(requests), logits.shape
-        device = logits.device
-        params = param_rows([r.sampling_params for r in requests])  # [num_seqs, NUM_PARAMS]
-        plan = plan_sampling(params, requests)
-        indices = {name: index.to(device) for name, index in plan.host_indices.items()}
-        penalties = None
-        if plan.has_penalties:
-            penalties = penalty_inputs_from_requests(requests, params.to(device), indices)
-        packed = self.sample_on_device(logits, plan, params.to(device), indices, penalties)
-        return unpack(packed.cpu(), plan)  # standalone use: no pinned copy
-
     def sample_on_device(
         self,
         logits: torch.Tensor,
         plan: SamplingPlan,
         params: torch.Tensor,
-        indices: dict[str, torch.Tensor],
+        indices: SamplingIndices,
         penalties: PenaltyInputs | None,
         grammar_mask: GrammarMask | None = None,
     ) -> torch.Tensor:
@@ -110,7 +61,7 @@ class Sampler:
             token_ids = self._sample_processed(logits, plan, params, indices, penalties)
         if plan.max_top_n is None:
             return token_ids
-        return pack_logprobs(logits, token_ids, indices["logprob_rows"], plan.max_top_n)
+        return pack_logprobs(logits, token_ids, indices.logprob_rows, plan.max_top_n)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator."""
@@ -119,19 +70,20 @@ class Sampler:
     def _sample_processed(self, logits, plan, params, indices, penalties) -> torch.Tensor:
         if penalties is not None:
             logits = apply_penalty_inputs(logits, penalties)
-        if any(group.covers_all for group in plan.random_groups):  # no greedy row
-            group = plan.random_groups[0]
+        groups = list(zip(plan.random_groups, indices.random))
+        if any(group.covers_all for group, _ in groups):  # no greedy row
+            group, group_indices = groups[0]
             settings = settings_of(params, group, self.vocab_size)
-            return self._race(prepare_candidates(logits, settings), group, indices)
+            return self._race(prepare_candidates(logits, settings), group, group_indices)
         token_ids = argmax(logits)  # [num_seqs], right for the greedy rows
-        for group in plan.random_groups:
-            rows = indices[group.rows_key]
+        for group, group_indices in groups:
+            rows = group_indices.rows
             settings = settings_of(params.index_select(0, rows), group, self.vocab_size)
             candidates = prepare_candidates(logits.index_select(0, rows), settings)
-            token_ids.index_copy_(0, rows, self._race(candidates, group, indices))
+            token_ids.index_copy_(0, rows, self._race(candidates, group, group_indices))
         return token_ids
 
-    def _race(self, candidates: Candidates, group: RandomGroup, indices) -> torch.Tensor:
+    def _race(self, candidates: Candidates, group: RandomGroup, indices: GroupIndices):
         """One token per row: the candidate with the largest prob / Exp(1) noise."""
         noise = self._draw_exponential_noise(group, indices, candidates)
         winners = argmax(candidates.probs / noise)  # [num_rows]
@@ -139,7 +91,7 @@ class Sampler:
             return winners
         return candidates.token_ids.gather(1, winners[:, None]).squeeze(1)
 
-    def _draw_exponential_noise(self, group: RandomGroup, indices, candidates: Candidates):
+    def _draw_exponential_noise(self, group: RandomGroup, indices: GroupIndices, candidates):
         probs, candidate_ids = candidates.probs, candidates.token_ids
         device = probs.device
         noise = torch.empty_like(probs)  # [num_rows, num_candidates]
@@ -154,7 +106,7 @@ class Sampler:
             if group.num_unseeded == probs.shape[0]:
                 noise = shared
             else:
-                noise[indices[group.unseeded_key]] = shared
+                noise[indices.unseeded] = shared
         # Exp(1) can return exactly 0; keep the division finite so excluded tokens stay at 0.
         return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
@@ -176,36 +128,3 @@ class Sampler:
                 generator.manual_seed(self.seed)
             self._shared_generators[device] = generator
         return generator
-
-
-def unpack(host: torch.Tensor, plan: SamplingPlan) -> SamplerOutput:
-    """The host copy of sample_on_device's result -> token ids and logprobs."""
-    if plan.max_top_n is None:
-        token_ids = host.tolist()
-        return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
-    n = plan.max_top_n
-    rows = host.tolist()
-    token_ids = [int(row[0]) for row in rows]
-    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-    for i, top_n in plan.logprob_top_ns:
-        row = rows[i]
-        top = [(int(t), lp) for t, lp in zip(row[2 + n : 2 + n + top_n], row[2 : 2 + top_n])]
-        logprobs[i] = TokenLogprobs(token_ids[i], row[1], top)
-    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
-
-
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Repetition (prompt + output), then frequency and presence (output only); a new tensor."""
-    params = param_rows([r.sampling_params for r in requests])
-    plan = plan_sampling(params, requests)
-    if not plan.has_penalties:
-        return logits
-    indices = {name: index.to(logits.device) for name, index in plan.host_indices.items()}
-    penalties = penalty_inputs_from_requests(requests, params.to(logits.device), indices)
-    return apply_penalty_inputs(logits.float(), penalties)
-
-
-def top_k_top_p_candidates(probs: torch.Tensor, all_params: list[SamplingParams]) -> Candidates:
-    """Top-k then top-p over probs [num_rows, vocab], each row with its own params."""
-    params = param_rows(all_params).to(probs.device)
-    return top_k_top_p_candidates_of(probs, filter_settings(params, probs.shape[1]))

@@ -1,37 +1,39 @@
 """The persistent input batch (as vLLM v1's InputBatch): one row per running request, kept
-across steps and changed only where something changed: a request joins (its tokens, blocks and
-sampling settings are written once), gets a new block or a new token, or leaves (finished,
-aborted, preempted). A step's inputs are then gathered from these rows by tensor ops on the host
-and sent to the device in one copy (runtime/step/staging.py); the device keeps its own block table
-and settings rows, updated in place from that copy.
+across steps and changed only where the scheduler's output says: rows leave (finished, aborted,
+preempted), rows join (new and resumed requests, written whole), rows gain tokens and blocks.
+The batch applies what it is told and never reads a live `Request`. A step's inputs are then
+gathered from these rows by tensor ops on the host and sent to the device in one copy
+(runtime/step/inputs.py); the device keeps its own block table and settings rows, updated in
+place from that copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from runtime.sampling.plan import NUM_PARAMS, param_row
-from scheduler.request import Request, RequestStatus
+from scheduler.output import NewRow, RowAppend, SchedulerOutput
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
-    request: Request
-    num_tokens: int  # tokens written into the host token table
-    num_blocks: int  # block ids written into the block tables
-    num_preemptions: int  # the request's count when it joined; a change means it left
-    last_block_id: int | None = None  # the last block id written into the tables
+    request_id: str
+    num_prompt_tokens: int
+    seed: int | None
+    has_grammar: bool
+    num_tokens: int = 0  # tokens written into the host token table
+    num_blocks: int = 0  # block ids written into the block tables
 
 
 @dataclass
 class RowUpdates:
     """What changed since the last step, for the device's copies of the tables."""
 
-    block_cells: list[tuple[int, int, int]]  # (row, column, block id)
-    param_rows: list[int]
-    params: list[list[float]]
+    block_cells: list[tuple[int, int, int]] = field(default_factory=list)  # (row, column, id)
+    param_rows: list[int] = field(default_factory=list)
+    params: list[list[float]] = field(default_factory=list)
 
 
 class InputBatch:
@@ -55,82 +57,65 @@ class InputBatch:
         self.rows: dict[str, int] = {}  # request id -> row
         self.row_state: list[Row | None] = [None] * max_num_rows
         self.free_rows = list(range(max_num_rows - 1, -1, -1))
-        self.updates = RowUpdates([], [], [])
+        self.updates = RowUpdates()
 
     @property
     def num_rows(self) -> int:
         return len(self.rows)
 
-    # ---- rows follow the scheduler's requests -------------------------------------------------
-    def update(self, scheduled: list[tuple[Request, int]]) -> list[int]:
-        """Bring the rows of the scheduled requests up to date; drop rows whose requests left.
-        Returns the row of each scheduled request, in order."""
-        num_known = sum(request.request_id in self.rows for request, _ in scheduled)
-        if len(self.rows) > num_known:  # some row was not scheduled: did its request leave?
-            self._drop_departed({request.request_id for request, _ in scheduled})
-        return [self._row_of(request) for request, _ in scheduled]
+    # ---- the scheduler tells, the batch applies ---------------------------------------------
+    def apply(self, out: SchedulerOutput) -> None:
+        for request_id in out.finished_ids:
+            self.remove(request_id)
+        for request in out.preempted:
+            self.remove(request.request_id)
+        for row in out.new_rows:
+            self.add(row)
+        for append in out.appends:
+            self._append(append)
 
-    def _row_of(self, request: Request) -> int:
-        row = self.rows.get(request.request_id)
-        state = self.row_state[row] if row is not None else None
-        if state is None or state.num_preemptions != request.num_preemptions:
-            if row is not None:
-                self.remove(request.request_id)
-            return self._add(request)
-        if state.num_tokens != request.num_tokens:
-            self._write_tokens(row, state, request)
-        if state.num_blocks != len(request.block_ids):
-            self._write_blocks(row, state, request)
-        return row
-
-    def _add(self, request: Request) -> int:
+    def add(self, new: NewRow) -> int:
         row = self.free_rows.pop()
-        self.rows[request.request_id] = row
-        state = Row(request, 0, 0, request.num_preemptions)
+        self.rows[new.request_id] = row
+        params = new.sampling_params
+        state = Row(new.request_id, new.num_prompt_tokens, params.seed, params.grammar is not None)
         self.row_state[row] = state
-        self._write_tokens(row, state, request)
-        self._write_blocks(row, state, request)
-        values = param_row(request.sampling_params)
+        self._write_tokens(row, state, new.token_ids)
+        self._write_blocks(row, state, new.block_ids)
+        values = param_row(params)
         self.params[row] = torch.tensor(values, dtype=torch.float64)
         self.updates.param_rows.append(row)
         self.updates.params.append(values)
         return row
 
-    def _write_tokens(self, row: int, state: Row, request: Request) -> None:
-        num_tokens = request.num_tokens
-        if num_tokens > self.max_model_len:
-            raise ValueError(f"{request.request_id} has more than {self.max_model_len} tokens")
-        start = min(state.num_tokens, num_tokens)
-        new = (
-            request.all_token_ids[start:]
-            if start < request.num_prompt_tokens
-            else (request.output_token_ids[start - request.num_prompt_tokens :])
-        )
-        self.token_ids[row, start:num_tokens] = torch.tensor(new, dtype=torch.int32)
-        state.num_tokens = num_tokens
-        self.num_tokens[row] = num_tokens
+    def _append(self, append: RowAppend) -> None:
+        row = self.rows[append.request_id]
+        state = self.row_state[row]
+        if append.token_ids:
+            self._write_tokens(row, state, append.token_ids)
+        if append.block_ids:
+            self._write_blocks(row, state, append.block_ids)
 
-    def _write_blocks(self, row: int, state: Row, request: Request) -> None:
-        start, block_ids = state.num_blocks, request.block_ids
-        if len(block_ids) < start or (start and block_ids[start - 1] != state.last_block_id):
-            start = 0  # the table changed under us: rewrite it whole
-        new = block_ids[start:]
-        if len(new) == 1:  # a decode's new block
-            self.block_table[row, start] = new[0]
+    def _write_tokens(self, row: int, state: Row, token_ids: list[int]) -> None:
+        start, end = state.num_tokens, state.num_tokens + len(token_ids)
+        if end > self.max_model_len:
+            raise ValueError(f"{state.request_id} has more than {self.max_model_len} tokens")
+        if len(token_ids) == 1:  # a decode's new token
+            self.token_ids[row, start] = token_ids[0]
         else:
-            self.block_table[row, start : len(block_ids)] = torch.tensor(new, dtype=torch.int64)
-        self.updates.block_cells.extend((row, start + i, b) for i, b in enumerate(new))
-        state.num_blocks = len(block_ids)
-        state.last_block_id = block_ids[-1] if block_ids else None
-        self.num_blocks[row] = len(block_ids)
+            self.token_ids[row, start:end] = torch.tensor(token_ids, dtype=torch.int32)
+        state.num_tokens = end
+        self.num_tokens[row] = end
 
-    def _drop_departed(self, scheduled_ids: set[str]) -> None:
-        for request_id, row in list(self.rows.items()):
-            if request_id in scheduled_ids:
-                continue
-            request = self.row_state[row].request
-            if request.is_finished or request.status is not RequestStatus.RUNNING:
-                self.remove(request_id)
+    def _write_blocks(self, row: int, state: Row, block_ids: list[int]) -> None:
+        start, end = state.num_blocks, state.num_blocks + len(block_ids)
+        if len(block_ids) == 1:  # a decode's new block
+            self.block_table[row, start] = block_ids[0]
+        else:
+            self.block_table[row, start:end] = torch.tensor(block_ids, dtype=torch.int64)
+        self.updates.block_cells.extend((row, start + i, b) for i, b in enumerate(block_ids))
+        state.num_blocks = end
+        self.num_blocks[row] = end
 
     def remove(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
@@ -138,46 +123,21 @@ class InputBatch:
             self.row_state[row] = None
             self.free_rows.append(row)
 
-    def record_sampled(
-        self,
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-        token_ids: torch.Tensor,
-        requests: list[Request],
-    ) -> None:
-        """The sampled tokens land in the token table (the scheduler appends the same ones to
-        the requests, so next step's check finds the rows up to date). A row given to another
-        request, or rewritten, since the step was launched (async scheduling) is left alone."""
-        fits = [
-            (state := self.row_state[row]) is not None
-            and state.request is request
-            and state.num_tokens == position < self.max_model_len
-            for row, position, request in zip(rows.tolist(), positions.tolist(), requests)
-        ]
-        if not all(fits):
-            keep = torch.tensor(fits, dtype=torch.bool)
-            rows, positions, token_ids = rows[keep], positions[keep], token_ids[keep]
-        self.token_ids[rows, positions] = token_ids.to(torch.int32)
-        self.num_tokens[rows] = positions + 1
-        for row in rows.tolist():
-            self.row_state[row].num_tokens += 1
+    # ---- what a step reads ------------------------------------------------------------------
+    def row_of(self, request_id: str) -> int:
+        return self.rows[request_id]
 
-    def take_updates(self) -> dict[str, torch.Tensor]:
-        """The changes since the last step, as host tensors to stage."""
-        u = self.updates
-        self.updates = RowUpdates([], [], [])
-        cells = torch.tensor(u.block_cells, dtype=torch.int64).view(-1, 3)
-        params = torch.tensor(u.params, dtype=torch.float64).view(-1, NUM_PARAMS)
-        return {
-            "block_cells": cells.T.contiguous(),  # [3, num_cells]
-            "param_rows": torch.tensor(u.param_rows, dtype=torch.int64),
-            "param_values": params,
-        }
+    def seen_token_ids(self, rows: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """The prompt and output tokens the host holds for each row (penalties read them)."""
+        prompts, outputs = [], []
+        for row in rows:
+            state = self.row_state[row]
+            tokens = self.token_ids[row, : state.num_tokens].tolist()
+            prompts.append(tokens[: state.num_prompt_tokens])
+            outputs.append(tokens[state.num_prompt_tokens :])
+        return prompts, outputs
 
-    def apply_updates(self, staged: dict[str, torch.Tensor]) -> None:
-        """On the device: write the staged changes into its tables, in place."""
-        rows, columns, block_ids = staged["block_cells"]
-        if rows.numel():
-            self.device_block_table[rows, columns] = block_ids.int()
-        if staged["param_rows"].numel():
-            self.device_params[staged["param_rows"]] = staged["param_values"]
+    def take_updates(self) -> RowUpdates:
+        """The changes since the last step, to stage."""
+        updates, self.updates = self.updates, RowUpdates()
+        return updates

@@ -1,15 +1,25 @@
-"""A step's inputs, gathered on the host from the persistent batch by tensor ops, then moved to
-the device in one copy. The flat batch is laid out decodes first (sorted by length, so that the
-CPU path groups similar lengths), then prefill chunks in scheduling order."""
+"""A step's inputs: gathered on the host from the persistent batch by tensor ops, staged into one
+int64 host buffer (pinned on CUDA) and moved to the device in one non-blocking copy; the sampled
+ids come back in one copy. `copy_to_device` and `copy_to_host` are the only places that move
+step data across, so a test can count them. The flat batch is laid out decodes first (sorted by
+length, so that the CPU path groups similar lengths), then prefill chunks in scheduling order.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from runtime.models.attention import AttentionMetadata
-from runtime.sampling.plan import SamplingPlan, padded_token_ids, plan_sampling
+from runtime.sampling.plan import (
+    NUM_PARAMS,
+    SamplingIndices,
+    SamplingPlan,
+    padded_token_ids,
+    plan_sampling,
+)
 from runtime.step.input_batch import InputBatch
 from scheduler.request import Request
 
@@ -17,17 +27,37 @@ _LAST = 1 << 62  # sort key that puts prefill chunks after every decode
 
 
 @dataclass
+class StepTensors:
+    """The tensors a step stages, int64 (float64 carried bit for bit): host tensors before the
+    copy, views of the device buffer after it."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]
+    seq_lens: torch.Tensor  # [num_seqs]
+    seq_rows: torch.Tensor  # [num_seqs] rows of the persistent batch
+    query_start_loc: torch.Tensor  # [num_prefill_seqs + 1]
+    sample_index: torch.Tensor  # [num_samples] token of each sampling row in the flat batch
+    sample_rows: torch.Tensor  # [num_samples]
+    block_cells: torch.Tensor  # [3, num_cells] (row, column, block id) of the new table cells
+    param_rows: torch.Tensor  # [num_new_rows] rows whose sampling settings are new
+    param_values: torch.Tensor  # [num_new_rows, NUM_PARAMS] float64
+    sampling: SamplingIndices
+    pending_dst: torch.Tensor | None = None  # [num_pending] tokens not known to the host ...
+    pending_src: torch.Tensor | None = None  # ... taken from the previous step's sampled ids
+
+
+@dataclass
 class HostStep:
-    """What the host knows about a step; `parts` are the tensors to stage."""
+    """What the host knows about a step."""
 
     num_tokens: int
     num_decode: int
     max_blocks: int
-    sample_requests: list[Request]
-    sample_rows: torch.Tensor  # [num_samples] rows of the persistent batch
-    sample_positions: torch.Tensor  # [num_samples] where each sampled token will go
+    sample_request_ids: list[str]
+    has_grammar: bool  # some sampling row is constrained
     sampling: SamplingPlan | None
-    parts: dict[str, torch.Tensor]
+    tensors: StepTensors
 
 
 @dataclass
@@ -37,9 +67,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn: AttentionMetadata
-    sample_index: torch.Tensor  # [num_samples] token of each sampling row in the flat batch
-    sample_rows: torch.Tensor  # [num_samples] rows of the persistent batch
-    staged: dict[str, torch.Tensor]
+    staged: StepTensors
 
 
 def prepare_host_step(
@@ -50,8 +78,8 @@ def prepare_host_step(
 ) -> HostStep:
     """previous: the launched step whose sampled tokens have not landed yet (async
     scheduling); a scheduled token the host does not know is one of them."""
-    rows = torch.tensor(batch.update(scheduled), dtype=torch.int64)  # [num_seqs]
-    num_new = torch.tensor([n for _, n in scheduled], dtype=torch.int64)
+    rows = torch.tensor([batch.row_of(r.request_id) for r, _ in scheduled], dtype=torch.int64)
+    num_new = torch.tensor([n for _, n in scheduled], dtype=torch.int64)  # [num_seqs]
     computed = torch.tensor([r.num_computed_tokens for r, _ in scheduled], dtype=torch.int64)
     known = batch.num_tokens[rows]  # [num_seqs] tokens in the host table
     pending = [r.num_pending_tokens for r, _ in scheduled]
@@ -71,89 +99,210 @@ def prepare_host_step(
     num_decode = int(is_decode.sum())
     samples = (seq_lens == total).nonzero().flatten()  # [num_samples]
     sample_rows = rows[samples]
-    parts = {
-        "input_ids": batch.token_ids[token_rows, positions],
-        "positions": positions,
-        "slot_mapping": slots,
-        "seq_lens": seq_lens,
-        "seq_rows": rows,
-        "query_start_loc": torch.cat(
+    sample_states = [batch.row_state[row] for row in sample_rows.tolist()]
+    sample_ids = [state.request_id for state in sample_states]
+    plan, sampling = _plan_sampling(batch, sample_rows, sample_ids)
+    updates = batch.take_updates()
+    tensors = StepTensors(
+        input_ids=batch.token_ids[token_rows, positions],
+        positions=positions,
+        slot_mapping=slots,
+        seq_lens=seq_lens,
+        seq_rows=rows,
+        query_start_loc=torch.cat(
             [torch.zeros(1, dtype=torch.int64), ends[num_decode:] - num_decode]
         ),
-        "sample_index": ends[samples] - 1,
-        "sample_rows": sample_rows,
-        **batch.take_updates(),
-    }
+        sample_index=ends[samples] - 1,
+        sample_rows=sample_rows,
+        block_cells=torch.tensor(updates.block_cells, dtype=torch.int64).view(-1, 3).T,
+        param_rows=torch.tensor(updates.param_rows, dtype=torch.int64),
+        param_values=torch.tensor(updates.params, dtype=torch.float64).view(-1, NUM_PARAMS),
+        sampling=sampling,
+    )
     if any(pending):
         unknown = (positions >= known[seq_of_token]).nonzero().flatten()  # [num_unknown]
         order_list = order.tolist()
         owners = [scheduled[order_list[s]][0] for s in seq_of_token[unknown].tolist()]
-        parts["pending_dst"] = unknown
-        parts["pending_src"] = _sample_index_in(previous, owners)
-    requests = [batch.row_state[row].request for row in sample_rows.tolist()]
-    sampling = _plan_sampling(batch, sample_rows, requests, parts)
+        tensors.pending_dst = unknown
+        tensors.pending_src = _sample_index_in(previous, owners)
     return HostStep(
         num_tokens=num_tokens,
         num_decode=num_decode,
         max_blocks=int(batch.num_blocks[rows].max()),
-        sample_requests=requests,
-        sample_rows=sample_rows,
-        sample_positions=seq_lens[samples],
-        sampling=sampling,
-        parts=parts,
+        sample_request_ids=sample_ids,
+        has_grammar=any(state.has_grammar for state in sample_states),
+        sampling=plan,
+        tensors=tensors,
     )
 
 
 def _sample_index_in(previous: HostStep | None, owners: list[Request]) -> torch.Tensor:
     """Where each owner's pending token is among the previous step's sampled ids."""
-    index = {r.request_id: i for i, r in enumerate(previous.sample_requests)} if previous else {}
+    ids = previous.sample_request_ids if previous is not None else []
+    index = {request_id: i for i, request_id in enumerate(ids)}
     missing = [r.request_id for r in owners if r.request_id not in index]
     if missing:
         raise RuntimeError(f"pending tokens of {missing} were not sampled by the step in flight")
     return torch.tensor([index[r.request_id] for r in owners], dtype=torch.int64)
 
 
-def _plan_sampling(batch, sample_rows, requests, parts) -> SamplingPlan | None:
-    if not requests:
-        return None
-    plan = plan_sampling(batch.params[sample_rows], requests)
-    parts.update({f"s_{name}": index for name, index in plan.host_indices.items()})
+def _plan_sampling(batch: InputBatch, sample_rows: torch.Tensor, request_ids: list[str]):
+    if not request_ids:
+        return None, SamplingIndices()
+    seeds = [batch.row_state[row].seed for row in sample_rows.tolist()]
+    plan, indices = plan_sampling(batch.params[sample_rows], request_ids, seeds)
     if plan.has_penalties:
-        penalised = [requests[i] for i in plan.penalty_rows]
-        parts["s_prompt_ids"] = padded_token_ids([r.prompt_token_ids for r in penalised])
-        parts["s_output_ids"] = padded_token_ids([r.output_token_ids for r in penalised])
-    return plan
+        prompts, outputs = batch.seen_token_ids(sample_rows[indices.penalty_rows].tolist())
+        indices.prompt_ids = padded_token_ids(prompts)
+        indices.output_ids = padded_token_ids(outputs)
+    return plan, indices
 
 
 def device_step(
     batch: InputBatch,
     host: HostStep,
-    staged: dict[str, torch.Tensor],
+    staged: StepTensors,
     previous_ids: torch.Tensor | None = None,
 ) -> StepInputs:
     """On the device, after the copy: apply the table updates, fill in the pending tokens from
     the previous step's sampled ids (previous_ids [num_samples], still on the device), and build
     the metadata views."""
-    batch.apply_updates(staged)
-    if "pending_dst" in staged:
-        staged["input_ids"][staged["pending_dst"]] = previous_ids[staged["pending_src"]]
+    rows, columns, block_ids = staged.block_cells
+    if rows.numel():
+        batch.device_block_table[rows, columns] = block_ids.int()
+    if staged.param_rows.numel():
+        batch.device_params[staged.param_rows] = staged.param_values
+    if staged.pending_dst is not None:
+        staged.input_ids[staged.pending_dst] = previous_ids[staged.pending_src]
     num_decode = host.num_decode
-    tables = batch.device_block_table[staged["seq_rows"], : host.max_blocks]  # [num_seqs, width]
-    seq_lens = staged["seq_lens"].int()
+    tables = batch.device_block_table[staged.seq_rows, : host.max_blocks]  # [num_seqs, width]
+    seq_lens = staged.seq_lens.int()
     attn = AttentionMetadata(
-        slot_mapping=staged["slot_mapping"],
+        slot_mapping=staged.slot_mapping,
         num_decode_tokens=num_decode,
         decode_block_tables=tables[:num_decode],
         decode_seq_lens=seq_lens[:num_decode],
         prefill_block_tables=tables[num_decode:],
-        prefill_query_start_loc=staged["query_start_loc"].int(),
+        prefill_query_start_loc=staged.query_start_loc.int(),
         prefill_seq_lens=seq_lens[num_decode:],
     )
-    return StepInputs(
-        input_ids=staged["input_ids"],
-        positions=staged["positions"],
-        attn=attn,
-        sample_index=staged["sample_index"],
-        sample_rows=staged["sample_rows"],
-        staged=staged,
-    )
+    return StepInputs(staged.input_ids, staged.positions, attn, staged)
+
+
+# ---- the copies ---------------------------------------------------------------------------------
+def copy_to_device(host: torch.Tensor, device_buffer: torch.Tensor) -> None:
+    """The step's one host-to-device copy (non-blocking from pinned memory on CUDA)."""
+    device_buffer.copy_(host, non_blocking=True)
+
+
+def copy_to_host(device_tensor: torch.Tensor) -> PendingCopy:
+    """The step's one device-to-host copy, started here (non-blocking into pinned memory on
+    CUDA) and waited for by PendingCopy.result(), so the host can work in between."""
+    if device_tensor.device.type != "cuda":
+        return PendingCopy(device_tensor.clone(), None)
+    host = torch.empty(device_tensor.shape, dtype=device_tensor.dtype, pin_memory=True)
+    host.copy_(device_tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device_tensor.device))
+    return PendingCopy(host, done)
+
+
+@dataclass
+class PendingCopy:
+    host: torch.Tensor
+    done: object | None  # a CUDA event, None when the copy is already complete
+
+    def result(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
+class StagingBuffer:
+    """Two host buffers used in turn (the one a pending copy reads is never overwritten) and
+    one device buffer that each step's tensors are views of."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 14) -> None:
+        self.device = device
+        self.pin = device.type == "cuda"
+        self.hosts = [self._host(capacity), self._host(capacity)]
+        self.events: list = [None, None]
+        self.device_buffer = torch.empty(capacity, dtype=torch.int64, device=device)
+        self.turn = 0
+
+    def _host(self, capacity: int) -> torch.Tensor:
+        return torch.empty(capacity, dtype=torch.int64, pin_memory=self.pin)
+
+    def stage(self, tensors):
+        """tensors: a dataclass of host tensors (int64 or float64; None, nested dataclasses and
+        lists of them allowed) -> the same with device views of the same shapes, after one copy."""
+        flat = [_as_int64(t).reshape(-1) for t in _leaves(tensors)]
+        total = sum(t.numel() for t in flat)
+        host = self._host_for(total)
+        offset = 0
+        for t in flat:
+            host[offset : offset + t.numel()].copy_(t)
+            offset += t.numel()
+        if total > self.device_buffer.numel():
+            self.device_buffer = torch.empty(2 * total, dtype=torch.int64, device=self.device)
+        copy_to_device(host[:total], self.device_buffer[:total])
+        self._record()
+        return _rebuild(tensors, _Views(self.device_buffer))
+
+    def _host_for(self, total: int) -> torch.Tensor:
+        self.turn ^= 1
+        event = self.events[self.turn]
+        if event is not None:
+            event.synchronize()  # the copy that last read this buffer is done
+        if total > self.hosts[self.turn].numel():
+            self.hosts[self.turn] = self._host(2 * total)
+        return self.hosts[self.turn]
+
+    def _record(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.events[self.turn] = event
+
+
+class _Views:
+    """Hands out consecutive views of the device buffer, shaped and typed as each host tensor."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer, self.offset = buffer, 0
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        view = self.buffer[self.offset : self.offset + t.numel()].view(t.shape)
+        self.offset += t.numel()
+        return view.view(torch.float64) if t.dtype == torch.float64 else view
+
+
+def _leaves(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _leaves(getattr(value, f.name))
+
+
+def _rebuild(value, views: _Views):
+    """The same structure as `value`, walked in `_leaves`' order, with device views."""
+    if isinstance(value, torch.Tensor):
+        return views.of(value)
+    if isinstance(value, list):
+        return [_rebuild(item, views) for item in value]
+    if dataclasses.is_dataclass(value):
+        changes = {
+            f.name: _rebuild(getattr(value, f.name), views) for f in dataclasses.fields(value)
+        }
+        return dataclasses.replace(value, **changes)
+    return value
+
+
+def _as_int64(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float64:
+        return t.contiguous().view(torch.int64)
+    return t if t.dtype == torch.int64 else t.long()

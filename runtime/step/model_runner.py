@@ -12,14 +12,21 @@ import torch
 from runtime.config import EngineConfig
 from runtime.models.attention import AttentionBackend, ForwardContext
 from runtime.models.loader import ModelSource, load_model, open_model
-from runtime.sampling.plan import penalty_inputs
-from runtime.sampling.sampler import Sampler, unpack
+from runtime.sampling.plan import penalty_inputs, unpack
+from runtime.sampling.sampler import Sampler
 from runtime.step.input_batch import InputBatch
-from runtime.step.inputs import HostStep, StepInputs, device_step, prepare_host_step
+from runtime.step.inputs import (
+    HostStep,
+    PendingCopy,
+    StagingBuffer,
+    StepInputs,
+    copy_to_host,
+    device_step,
+    prepare_host_step,
+)
 from runtime.step.kv_cache import KVCache, parse_bytes
-from runtime.step.staging import PendingCopy, StagingBuffer, copy_to_host
+from scheduler.output import SchedulerOutput, new_row
 from scheduler.request import Request
-from scheduler.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -75,6 +82,11 @@ class ModelRunner:
         )
         self.decode_graphs.capture(self.mixed_graphs.capture())
 
+    def use_grammar_masks(self, masks) -> None:
+        """masks: runtime.structured.MaskBuilder, filling the constrained rows' masks while the
+        forward pass runs."""
+        self.grammar_masks = masks
+
     @property
     def bytes_per_block(self) -> int:
         mc = self.model_config
@@ -111,8 +123,9 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, object]]:
-        """Returns {request_id: (sampled token, logprobs or None)} for requests that sample."""
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[list[int], list]]:
+        """Returns {request_id: (sampled tokens, their logprobs or None)} for requests that
+        sample (one token each today)."""
         return self.collect(self.launch(out))
 
     @torch.inference_mode()
@@ -121,21 +134,20 @@ class ModelRunner:
         and start the copy of the sampled ids back; returns without waiting for the device.
         previous: the step in flight (async scheduling), whose sampled ids this step's pending
         tokens are, taken on the device."""
-        self.kv_cache.swap_out(out.blocks_to_swap_out)
-        self.kv_cache.swap_in(out.blocks_to_swap_in)
-        if out.is_empty:
+        self._apply(out)
+        if not out.scheduled:
             return LaunchedStep(None, None)
         before = previous.host if previous is not None else None
         host = prepare_host_step(self.input_batch, out.scheduled, self.block_size, before)
-        staged = self.staging.stage(host.parts)
+        staged = self.staging.stage(host.tensors)
         previous_ids = previous.token_ids if previous is not None else None
         inputs = device_step(self.input_batch, host, staged, previous_ids)
         self.backend.prepare(inputs.attn)
         mask = self._start_grammar_masks(host)  # filled on a worker while the forward runs
         hidden = self._forward(inputs)  # [num_tokens, hidden]
-        if not host.sample_requests:
+        if not host.sample_request_ids:
             return LaunchedStep(host, None)
-        rows = hidden[inputs.sample_index]  # [num_samples, hidden]: only rows that sample
+        rows = hidden[inputs.staged.sample_index]  # [num_samples, hidden]: only rows that sample
         if self._can_project_greedy(host, mask):
             result = self.model.compute_greedy_tokens(rows)
         else:
@@ -146,6 +158,16 @@ class ModelRunner:
             token_ids=sampled_token_ids(result),
             needs_host_tokens=mask is not None or host.sampling.has_penalties,
         )
+
+    def _apply(self, out: SchedulerOutput) -> None:
+        """The scheduler's word: rows leave, join and grow; blocks swap out and in."""
+        self.input_batch.apply(out)
+        for request_id in out.finished_ids:
+            self.sampler.release(request_id)
+        if out.blocks_to_swap_out:
+            self.kv_cache.swap_out(out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            self.kv_cache.swap_in(out.blocks_to_swap_in)
 
     def _can_project_greedy(self, host: HostStep, mask) -> bool:
         """Every sampling row plain greedy, no logprobs, no grammar mask: the argmax of the logits
@@ -159,34 +181,32 @@ class ModelRunner:
         )
 
     def _start_grammar_masks(self, host: HostStep):
-        if self.grammar_masks is None or not host.sample_requests:
+        if self.grammar_masks is None or not host.has_grammar:
             return None
-        return self.grammar_masks.start(host.sample_requests)
+        return self.grammar_masks.start(host.sample_request_ids)
 
     def _sample(self, logits, host: HostStep, inputs: StepInputs, mask=None) -> torch.Tensor:
-        staged, plan = inputs.staged, host.sampling
-        indices = {name[2:]: t for name, t in staged.items() if name.startswith("s_")}
-        params = self.input_batch.device_params[inputs.sample_rows]  # [num_samples, NUM_PARAMS]
+        plan, indices = host.sampling, inputs.staged.sampling
+        params = self.input_batch.device_params[inputs.staged.sample_rows]  # [num_samples, P]
         penalties = None
         if plan.has_penalties:
             penalties = penalty_inputs(
-                params, indices["penalty_rows"], indices["prompt_ids"], indices["output_ids"]
+                params, indices.penalty_rows, indices.prompt_ids, indices.output_ids
             )
         grammar_mask = mask.result() if mask is not None else None
         return self.sampler.sample_on_device(logits, plan, params, indices, penalties, grammar_mask)
 
-    def collect(self, step: LaunchedStep) -> dict[str, tuple[int, object]]:
+    def collect(self, step: LaunchedStep) -> dict[str, tuple[list[int], list]]:
         """Wait for a launched step's sampled ids (the step's one copy back) and hand them out."""
         if step.sampled is None:
             return {}
-        host, result = step.host, step.sampled.result()
-        sampled = unpack(result, host.sampling)
-        self.input_batch.record_sampled(
-            host.sample_rows, host.sample_positions, sampled_token_ids(result), host.sample_requests
-        )
+        host = step.host
+        sampled = unpack(step.sampled.result(), host.sampling)
         return {
-            r.request_id: (token, logprobs)
-            for r, token, logprobs in zip(host.sample_requests, sampled.token_ids, sampled.logprobs)
+            request_id: ([token], [logprobs])
+            for request_id, token, logprobs in zip(
+                host.sample_request_ids, sampled.token_ids, sampled.logprobs
+            )
         }
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -211,16 +231,18 @@ class ModelRunner:
             if not self._assign_warm_up_blocks(batch):
                 return
         mixed_graphs, self.mixed_graphs = self.mixed_graphs, None
-        try:
-            self.execute(SchedulerOutput(scheduled=batch))  # the eager decode and prefill kernels
+        joining = [new_row(request) for request, _ in batch]
+        try:  # the eager decode and prefill kernels
+            self.execute(SchedulerOutput(scheduled=batch, new_rows=joining))
         finally:
             self.mixed_graphs = mixed_graphs
         if mixed_graphs is not None:
             self.execute(SchedulerOutput(scheduled=batch))  # replays a mixed graph
         self.execute(SchedulerOutput(scheduled=[(short, 1)]))
-        for request, _ in batch:
-            self.sampler.release(request.request_id)
-            self.input_batch.remove(request.request_id)
+        self._forget([request for request, _ in batch])
+
+    def _forget(self, throw_away: list[Request]) -> None:
+        self.execute(SchedulerOutput(finished_ids=[r.request_id for r in throw_away]))
 
     def _assign_warm_up_blocks(self, batch: list[tuple[Request, int]]) -> bool:
         next_block = 0
@@ -231,7 +253,7 @@ class ModelRunner:
         return next_block <= self.num_gpu_blocks
 
     # ---- start-up measurements for the preemption cost model --------------------------------
-    def measure_prefill_rate(self, num_tokens: int = 256) -> float:
+    def measure_prefill_rate(self, num_tokens: int = 64) -> float:
         """Tokens/s of a prefill on the real model, using a throw-away request on block 0..n."""
         num_tokens = min(num_tokens, self.input_batch.max_model_len - 1)  # the batch's row width
         num_blocks = -(-num_tokens // self.block_size)
@@ -239,12 +261,10 @@ class ModelRunner:
             return 1e4
         request = Request("__warmup__", list(range(1, num_tokens + 1)))
         request.block_ids = list(range(num_blocks))
-        out = SchedulerOutput(scheduled=[(request, num_tokens)])
-        self.execute(out)  # warm-up
-        start = time.perf_counter()
-        self.execute(out)
-        self.sampler.release(request.request_id)
-        self.input_batch.remove(request.request_id)
+        self.execute(SchedulerOutput([(request, num_tokens)], new_rows=[new_row(request)]))
+        start = time.perf_counter()  # the second run: warmed up
+        self.execute(SchedulerOutput([(request, num_tokens)]))
+        self._forget([request])
         return num_tokens / max(time.perf_counter() - start, 1e-9)
 
 

@@ -16,7 +16,6 @@ import torch
 import xgrammar as xgr
 
 from runtime.structured.matchers import GrammarMatchers
-from scheduler.request import Request
 
 
 @dataclass
@@ -59,15 +58,15 @@ class MaskBuilder:
         self.device = device
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="conveyor-grammar-masks")
 
-    def start(self, requests: list[Request]) -> PendingMask | None:
+    def start(self, request_ids: list[str]) -> PendingMask | None:
         """Start filling the masks of the constrained rows among the step's sampling rows."""
         if not self.matchers:
             return None
-        rows = [i for i, r in enumerate(requests) if r.request_id in self.matchers]
+        rows = [i for i, request_id in enumerate(request_ids) if request_id in self.matchers]
         if not rows:
             return None
-        matchers = [self.matchers.get(requests[i].request_id) for i in rows]
-        covers_all = len(rows) == len(requests)
+        matchers = [self.matchers.get(request_ids[i]) for i in rows]
+        covers_all = len(rows) == len(request_ids)
         return PendingMask(self.executor.submit(self.fill, matchers, rows, covers_all), self.device)
 
     def fill(self, matchers: list, rows: list[int], covers_all: bool):

@@ -50,15 +50,18 @@ class StructuredOutputs:
         prepared = prepared or self.prepare(spec)
         self.matchers.add(request_id, prepared.compiled)
 
-    def advance(self, requests: Sequence[Request]) -> list[Request]:
-        """Accept each request's newest token; -> the unfinished ones whose grammar ended."""
+    def advance(self, advanced: Sequence[tuple[Request, int]]) -> list[Request]:
+        """Accept each request's newest tokens (its last `num_new` outputs), in order; -> the
+        unfinished ones whose grammar ended."""
         if not self.matchers:
             return []
         ended = []
-        for request in requests:
-            token_id = request.output_token_ids[-1]
-            if self.matchers.accept(request.request_id, token_id) and not request.is_finished:
-                ended.append(request)
+        for request, num_new in advanced:
+            for token_id in request.output_token_ids[-num_new:]:
+                if self.matchers.accept(request.request_id, token_id):
+                    if not request.is_finished:
+                        ended.append(request)
+                    break
         return ended
 
     def release(self, request_id: str) -> None:
