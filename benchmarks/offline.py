@@ -151,7 +151,9 @@ def run_offline_bench(args: argparse.Namespace) -> dict:
     rates.append(sample_rates(engine))
     rounds, unavailable = [], {}
     if not args.skip_transformers:
-        model = load_transformers_model(engine.model_dir, engine.runner.dtype, engine.runner.device)
+        model = load_transformers_model(
+            engine.source.path, engine.runner.dtype, engine.runner.device
+        )
         batches = runs[1].details["batches"]
         runs += run_transformers_systems(model, engine, workload, batches, unavailable)
         rates.append(sample_rates(engine))

@@ -24,8 +24,10 @@ def load_transformers_model(model_dir: Path, dtype: torch.dtype, device: torch.d
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    path = Path(model_dir)  # an HF directory or a GGUF file
+    gguf = {"gguf_file": path.name} if path.is_file() else {}
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, attn_implementation="sdpa"
+        str(path.parent if gguf else path), dtype=dtype, attn_implementation="sdpa", **gguf
     )
     return model.to(device).eval()
 

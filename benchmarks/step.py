@@ -126,7 +126,7 @@ def write_random_llama(path: Path, config: dict) -> Path:
     `path`: the near-zero model here, the tests' tiny model (tests/conftest.py)."""
     from safetensors.torch import save_file
 
-    from runtime.models.loader import resolve_model
+    from runtime.models.source import tokenizer_files_dir
 
     c = config
     gen = torch.Generator().manual_seed(0)
@@ -153,7 +153,7 @@ def write_random_llama(path: Path, config: dict) -> Path:
         weights[prefix + "post_attention_layernorm.weight"] = torch.ones(h)
     (path / "config.json").write_text(json.dumps(c))
     save_file(weights, str(path / "model.safetensors"))
-    real = resolve_model(None)
+    real = tokenizer_files_dir()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (real / name).exists():
             shutil.copy(real / name, path / name)

@@ -15,6 +15,7 @@ from pathlib import Path
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "gateway.serve": ("serve",),
     "gateway.admin.cli": ("tenants", "keys", "db"),
+    "gateway.models_cli": ("models",),
 }
 # modules with `register_bench(bench_subparsers)`: each adds `conveyor bench <name>`
 BENCH_MODULES: list[str] = ["benchmarks.cli"]

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from runtime.config import EngineConfig
-from runtime.models.loader import resolve_model, served_model_name
-from runtime.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.models.loader import open_model
+from runtime.models.tokenizer import IncrementalDetokenizer
 from runtime.step.kv_cache import measure_copy_bandwidth
 from runtime.step.model_runner import LaunchedStep, ModelRunner
 from runtime.structured.compiler import PreparedGrammar
@@ -136,10 +136,10 @@ class PipelineStep:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_dir = resolve_model(config.model)
-        self.model_name = served_model_name(config.model)
-        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
-        self.runner = ModelRunner(config, self.model_dir)
+        self.source = open_model(config.model)  # an HF directory or a GGUF file
+        self.model_name = self.source.name
+        self.tokenizer = self.source.load_tokenizer()
+        self.runner = ModelRunner(config, self.source)
         mc = self.runner.model_config
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings

@@ -26,7 +26,10 @@ def engine() -> Engine:
 def hf_model(engine):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    path = engine.source.path  # the GGUF file the engine loaded
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,13 @@ from gateway.openai.schemas import (
     CompletionRequest,
     SamplingFields,
 )
-from gateway.openai.structured import GrammarPlan, grammar_spec, prepare, template_messages
+from gateway.openai.structured import (
+    GrammarPlan,
+    grammar_spec,
+    prepare,
+    template_messages,
+    template_tools,
+)
 from runtime.engine import prompt_error
 from runtime.engine_client import EngineInfo
 from scheduler.request import GrammarSpec, SamplingParams, SamplingParamsError
@@ -211,9 +217,18 @@ async def completion_prompts(engine, body: CompletionRequest) -> list[list[int]]
 
 
 async def chat_prompt(engine, body: ChatCompletionRequest) -> list[int]:
-    messages = template_messages(body)
+    if not engine.tokenizer.has_chat_template:
+        raise bad_request(
+            f"The model {engine.info.model_name!r} has no chat template (a base model): "
+            "use /v1/completions.",
+            param="model",
+            code="model_has_no_chat_template",
+        )
+    own_tools = engine.tokenizer.template_renders_tools  # Qwen's: its own "# Tools" section
+    messages = template_messages(body, own_tools)
+    tools = template_tools(body) if own_tools else None
     try:
-        return await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
+        return await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages, True, tools)
     except ValueError as error:
         raise bad_request(str(error), param="messages") from None
 

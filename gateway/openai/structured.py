@@ -108,13 +108,27 @@ def _tools_spec(body: ChatCompletionRequest, choice: str, parallel: bool) -> Gra
         raise bad_request(str(error), param=error.param or "tools", code=error.code) from None
 
 
-def template_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+def template_messages(
+    body: ChatCompletionRequest, template_renders_tools: bool = False
+) -> list[dict[str, str]]:
     """The messages for the chat template, the tools described in the system message when
-    they are in play (SmolLM2's template, like many, has no place for them)."""
+    they are in play and the template has no place for them (SmolLM2's, like many); a template
+    that renders tools itself (Qwen's) gets them from `template_tools`."""
     messages = [message.as_template_message() for message in body.messages]
-    if tool_choice(body) is None:
+    if tool_choice(body) is None or template_renders_tools:
         return messages
     return with_tools_prompt(messages, tool_functions(body))
+
+
+def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools in play, as chat templates take them (OpenAI's shape); None when none are."""
+    if tool_choice(body) is None:
+        return None
+    return [
+        {"type": "function", "function": {"name": f.name, "description": f.description or "",
+                                          "parameters": f.parameters}}
+        for f in tool_functions(body)
+    ]  # fmt: skip
 
 
 async def prepare(request: web.Request, spec: GrammarSpec, source: str) -> GrammarPlan:

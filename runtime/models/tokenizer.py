@@ -35,12 +35,15 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """A local HF directory with tokenizer files, or a GGUF file (or a directory holding one)."""
+    def from_pretrained(
+        cls, path: str | Path, extra_eos_token_ids: Sequence[int] = ()
+    ) -> Tokenizer:
+        """A local HF directory with tokenizer files, or a GGUF file (or a directory holding one);
+        more end-of-sequence ids than the tokenizer's own (a GGUF file's end-of-turn ids)."""
         directory, gguf_file = locate_tokenizer(Path(path))
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
         hf_tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
-        return cls(hf_tokenizer, read_generation_eos_ids(directory))
+        return cls(hf_tokenizer, [*read_generation_eos_ids(directory), *extra_eos_token_ids])
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -54,16 +57,25 @@ class Tokenizer:
             clean_up_tokenization_spaces=False,  # context-free, so windows decode consistently
         )
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf_tokenizer, "chat_template", None))
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """The chat template lays out tool definitions itself (Qwen's ChatML does)."""
+        return self.has_chat_template and "tools" in self.hf_tokenizer.chat_template
+
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self, messages: list[dict], add_generation_prompt: bool = True, tools=None
     ) -> list[int]:
         """Render the chat template to text, then encode it (the template holds the specials)."""
-        if not getattr(self.hf_tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             raise ValueError(f"tokenizer {self.hf_tokenizer.name_or_path!r} has no chat template")
         validate_messages(messages)
         try:
             text = self.hf_tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"chat template failed on these messages: {error}") from error

@@ -11,8 +11,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.models.attention import AttentionBackend, ForwardContext
-from runtime.models.config import ModelConfig
-from runtime.models.loader import load_model
+from runtime.models.loader import ModelSource, load_model, open_model
 from runtime.sampling.plan import penalty_inputs, unpack
 from runtime.sampling.sampler import Sampler
 from runtime.step.input_batch import InputBatch
@@ -45,13 +44,14 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, model: ModelSource | Path) -> None:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         self.block_size = config.block_size
-        self.model_config = ModelConfig.from_dir(model_dir)
+        source = open_model(model)
+        self.model_config = source.config
         self.backend = AttentionBackend(self.device, config.block_size, self.dtype)
-        self.model = load_model(model_dir, self.model_config, self.dtype, self.device, self.backend)
+        self.model = load_model(source, self.model_config, self.dtype, self.device, self.backend)
         self.kv_cache = self._allocate_kv_cache(config)
         self.sampler = Sampler(self.model_config.vocab_size)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
