@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 from runtime.models import catalog
+from runtime.models.config import rope_inv_freq
 from runtime.models.gguf_file import GGUFFile, UnsupportedModelError, materialize
 from runtime.models.gguf_model import hf_config, hf_weights, unpermute_rope_rows
 from runtime.models.source import open_model
@@ -117,10 +118,17 @@ def test_refuses_an_unsupported_rope_type(tmp_path):
     write_gguf(tmp_path / "m.gguf", extra_kv={"llama.rope.scaling.type": "yarn"})
     with pytest.raises(UnsupportedModelError, match="unsupported rope type 'yarn'"):
         open_model(tmp_path / "m.gguf")
-    freqs = {"rope_freqs.weight": (np.ones(HEAD_DIM // 2, np.float32), None)}
-    write_gguf(tmp_path / "l3.gguf", extra_tensors=freqs)
-    with pytest.raises(UnsupportedModelError, match="unsupported rope type: llama3"):
-        open_model(tmp_path / "l3.gguf")
+
+
+def test_llama3_rope_factors_divide_each_frequency(tmp_path):
+    """A Llama 3 GGUF carries its rope scaling as one factor per rotated pair (rope_freqs)."""
+    factors = np.linspace(1.0, 8.0, HEAD_DIM // 2, dtype=np.float32)
+    write_gguf(tmp_path / "l3.gguf", extra_tensors={"rope_freqs.weight": (factors, None)})
+    config = open_model(tmp_path / "l3.gguf").config
+    assert config.rope_scaling["rope_type"] == "frequency_factors"
+    plain = rope_inv_freq(config.head_dim, config.rope_theta, {})
+    scaled = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    assert torch.allclose(scaled, plain / torch.tensor(factors, dtype=torch.float64))
 
 
 def test_refuses_an_unsupported_tensor_type(tmp_path):

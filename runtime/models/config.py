@@ -16,7 +16,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM",
     "Gemma3ForCausalLM",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "frequency_factors")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
@@ -193,7 +193,8 @@ def _read_gemma3(config: ModelConfig, cfg: dict) -> None:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] with a scaling (default, linear, llama3)."""
+    """Inverse frequencies [head_dim / 2] with a scaling (default, linear, llama3, or one factor
+    per frequency, as a GGUF of Llama 3 carries them)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = rope_type(scaling)
     if kind == "default":
@@ -202,6 +203,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "frequency_factors":  # a GGUF's rope_freqs: each frequency divided by its own
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     check_rope_type(scaling)
     raise AssertionError(kind)
 

@@ -104,11 +104,10 @@ def _vocab_size(gguf: GGUFFile) -> int:
 
 def _rope_scaling(gguf: GGUFFile) -> dict:
     """HF rope_scaling from `{arch}.rope.scaling.*`; refuses what rope_inv_freq cannot do."""
-    if "rope_freqs.weight" in gguf.tensors:  # Llama 3.1's scaling, baked into per-pair factors
-        raise UnsupportedModelError(
-            f"{gguf.path.name}: unsupported rope type: llama3 scaling given as a rope_freqs "
-            "tensor (GGUF); load the model's HF directory instead"
-        )
+    freqs = gguf.tensors.get("rope_freqs.weight")
+    if freqs is not None:  # Llama 3.1's scaling, baked into one factor per rotated pair
+        factors = materialize(freqs, torch.float64).flatten().tolist()
+        return {"rope_type": "frequency_factors", "factors": factors}
     kind = str(gguf.arch_value("rope.scaling.type", "none"))
     if kind == "none":
         return {}
