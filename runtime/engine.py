@@ -59,10 +59,9 @@ def prompt_error(
     tokens (the model's length, or the whole KV cache if smaller); None if nothing. The engine
     and the HTTP API both ask here."""
     if not prompt:
-        return RequestError("The prompt is empty.", code="invalid_value", param=param)
+        return RequestError("The prompt is empty.", param=param)
     if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
-        message = f"Token ids must be integers in [0, {vocab_size})."
-        return RequestError(message, code="invalid_value", param=param)
+        return RequestError(f"Token ids must be integers in [0, {vocab_size}).", param=param)
     if len(prompt) + num_output > max_len:
         return RequestError(
             f"This model's maximum context length is {max_len} tokens. However, you "
