@@ -53,7 +53,9 @@ class _QuantizedWeight(nn.Module):
         self.out_features, self.in_features = out_features, in_features
         raw = _raw_blocks(blocks, out_features)
         if raw.shape[1] != in_features // block_values * block_bytes:
-            raise ValueError(f"{tuple(raw.shape)} bytes do not hold [{out_features}, {in_features}]")
+            raise ValueError(
+                f"{tuple(raw.shape)} bytes do not hold [{out_features}, {in_features}]"
+            )
         self.register_buffer("blocks", raw, persistent=False)
 
     @property
@@ -70,7 +72,9 @@ class _QuantizedWeight(nn.Module):
         blocks = self.blocks[rows]
         ops = self._native()
         if ops is not None:
-            return ops.quant_dequantize(blocks, int(self.ggml_type), blocks.shape[0], self.in_features)
+            return ops.quant_dequantize(
+                blocks, int(self.ggml_type), blocks.shape[0], self.in_features
+            )
         if self.ggml_type not in NATIVE_TYPES and self.ggml_type not in _logged_slow_types:
             _logged_slow_types.add(self.ggml_type)
             log.info("no quantized kernel for %s: dequantized with gguf-py", self.ggml_type.name)
@@ -89,13 +93,17 @@ class QuantizedLinear(_QuantizedWeight):
 
     def __init__(self, blocks, ggml_type, out_features: int, in_features: int, bias=None):
         super().__init__(blocks, ggml_type, out_features, in_features)
-        self.bias = None if bias is None else nn.Parameter(torch.as_tensor(bias), requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(torch.as_tensor(bias), requires_grad=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         ops = self._native()
         if ops is not None and rows.shape[0] <= DECODE_ROWS:
-            y = ops.quant_matmul(rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features)
+            y = ops.quant_matmul(
+                rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features
+            )
         else:
             y = self._tiled_linear(rows)
         if self.bias is not None:
@@ -128,6 +136,8 @@ class QuantizedEmbedding(_QuantizedWeight):
 def _dequantize_blocks(weight: _QuantizedWeight, picked: torch.Tensor) -> torch.Tensor:
     ops = weight._native()
     if ops is not None:
-        return ops.quant_dequantize(picked, int(weight.ggml_type), picked.shape[0], weight.in_features)
+        return ops.quant_dequantize(
+            picked, int(weight.ggml_type), picked.shape[0], weight.in_features
+        )
     values = gguf.quants.dequantize(picked.cpu().numpy(), weight.ggml_type)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(picked.device)
