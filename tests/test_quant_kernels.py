@@ -10,33 +10,17 @@ import torch
 
 from kernels import native
 from runtime.models import quant
-from runtime.models.quant import QuantizedEmbedding, QuantizedLinear
+from runtime.models.quant import QuantizedEmbedding, QuantizedLinear, random_blocks
 
 Q = gguf.GGMLQuantizationType
 QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)  # gguf-py's quantize makes these
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-# byte offsets of the float16 fields in each block (ggml-common.h); everything else is random bits
-HALF_OFFSETS = {
-    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q8_0: (0,),
-    Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-}  # fmt: skip
 QWEN = "/work/gguf/qwen2.5-coder-0.5b-instruct.gguf"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
     assert native.native_ops() is not None, "the native CPU kernels did not build (see the log)"
-
-
-def random_blocks(qtype, out_features, in_features, rng) -> np.ndarray:
-    """[out, row_bytes] uint8: random quants and scales, finite float16 scale fields."""
-    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (out_features * in_features // block_values, block_bytes))
-    blocks = blocks.astype(np.uint8)
-    for offset in HALF_OFFSETS[qtype]:
-        halves = rng.uniform(-0.02, 0.02, blocks.shape[0]).astype(np.float16)
-        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(out_features, -1)
 
 
 def oracle(blocks: np.ndarray, qtype, out_features, in_features) -> torch.Tensor:

@@ -141,3 +141,22 @@ def _dequantize_blocks(weight: _QuantizedWeight, picked: torch.Tensor) -> torch.
         )
     values = gguf.quants.dequantize(picked.cpu().numpy(), weight.ggml_type)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(picked.device)
+
+
+# byte offsets of the float16 fields in each block (ggml-common.h); the rest may be any bits
+HALF_OFFSETS = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q8_0: (0,),
+    Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+}  # fmt: skip
+
+
+def random_blocks(qtype, out_features: int, in_features: int, rng) -> np.ndarray:
+    """[out, row_bytes] uint8 of random quants and scales with finite float16 scale fields: test
+    and benchmark weights for every type, K-quants included (gguf-py cannot quantize those)."""
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    count = out_features * in_features // block_values
+    blocks = rng.integers(0, 256, (count, block_bytes)).astype(np.uint8)
+    for offset in HALF_OFFSETS[qtype]:
+        halves = rng.uniform(-0.02, 0.02, count).astype(np.float16)
+        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(out_features, -1)
