@@ -50,7 +50,7 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-void dequant_q4_0(const uint8_t* b, float* y) {
+void dequant_q4_0(const uint8_t* __restrict__ b, float* __restrict__ y) {
   const float d = half_at(b);
   const uint8_t* qs = b + 2;
   for (int j = 0; j < 16; ++j) {
@@ -59,7 +59,7 @@ void dequant_q4_0(const uint8_t* b, float* y) {
   }
 }
 
-void dequant_q4_1(const uint8_t* b, float* y) {
+void dequant_q4_1(const uint8_t* __restrict__ b, float* __restrict__ y) {
   const float d = half_at(b), m = half_at(b + 2);
   const uint8_t* qs = b + 4;
   for (int j = 0; j < 16; ++j) {
@@ -68,7 +68,7 @@ void dequant_q4_1(const uint8_t* b, float* y) {
   }
 }
 
-void dequant_q5_0(const uint8_t* b, float* y) {
+void dequant_q5_0(const uint8_t* __restrict__ b, float* __restrict__ y) {
   const float d = half_at(b);
   uint32_t qh;
   std::memcpy(&qh, b + 2, 4);
@@ -81,7 +81,7 @@ void dequant_q5_0(const uint8_t* b, float* y) {
   }
 }
 
-void dequant_q8_0(const uint8_t* b, float* y) {
+void dequant_q8_0(const uint8_t* __restrict__ b, float* __restrict__ y) {
   const float d = half_at(b);
   const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
   for (int j = 0; j < 32; ++j) y[j] = d * qs[j];
@@ -99,8 +99,8 @@ inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
 }
 
 // Q4_K (high_bits null) and Q5_K: 8 sub-blocks of 32, value = d*scale*q - dmin*min
-void dequant_k4_k5(const uint8_t* b, const uint8_t* scales, const uint8_t* qs,
-                   const uint8_t* high_bits, float* y) {
+void dequant_k4_k5(const uint8_t* __restrict__ b, const uint8_t* __restrict__ scales, const uint8_t* __restrict__ qs,
+                   const uint8_t* __restrict__ high_bits, float* __restrict__ y) {
   const float d = half_at(b), dmin = half_at(b + 2);
   for (int sub = 0; sub < 8; sub += 2) {
     int sc0, m0, sc1, m1;
@@ -120,49 +120,51 @@ void dequant_k4_k5(const uint8_t* b, const uint8_t* scales, const uint8_t* qs,
   }
 }
 
-void dequant_q4_k(const uint8_t* b, float* y) { dequant_k4_k5(b, b + 4, b + 16, nullptr, y); }
-void dequant_q5_k(const uint8_t* b, float* y) { dequant_k4_k5(b, b + 4, b + 48, b + 16, y); }
+void dequant_q4_k(const uint8_t* __restrict__ b, float* __restrict__ y) { dequant_k4_k5(b, b + 4, b + 16, nullptr, y); }
+void dequant_q5_k(const uint8_t* __restrict__ b, float* __restrict__ y) { dequant_k4_k5(b, b + 4, b + 48, b + 16, y); }
 
-void dequant_q6_k(const uint8_t* b, float* y) {
-  const uint8_t* ql = b;
-  const uint8_t* qh = b + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+void dequant_q6_k(const uint8_t* __restrict__ b, float* __restrict__ y) {
+  const uint8_t* __restrict__ ql = b;
+  const uint8_t* __restrict__ qh = b + 128;
+  const int8_t* __restrict__ sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = half_at(b + 208);
   for (int half = 0; half < 2; ++half, y += 128, ql += 64, qh += 32, sc += 8) {
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      y[l] = d * sc[is] * q1;
-      y[l + 32] = d * sc[is + 2] * q2;
-      y[l + 64] = d * sc[is + 4] * q3;
-      y[l + 96] = d * sc[is + 6] * q4;
+    for (int group = 0; group < 2; ++group) {  // 16 values share a scale
+      const float s1 = d * sc[group], s2 = d * sc[group + 2];
+      const float s3 = d * sc[group + 4], s4 = d * sc[group + 6];
+      for (int l = group * 16; l < group * 16 + 16; ++l) {
+        const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        y[l] = s1 * q1;
+        y[l + 32] = s2 * q2;
+        y[l + 64] = s3 * q3;
+        y[l + 96] = s4 * q4;
+      }
     }
   }
 }
 
-using DequantBlock = void (*)(const uint8_t*, float*);
-
-DequantBlock dequant_of(int64_t type) {
-  switch (type) {
-    case Q4_0: return dequant_q4_0;
-    case Q4_1: return dequant_q4_1;
-    case Q5_0: return dequant_q5_0;
-    case Q8_0: return dequant_q8_0;
-    case Q4_K: return dequant_q4_k;
-    case Q5_K: return dequant_q5_k;
-    case Q6_K: return dequant_q6_k;
-  }
-  TORCH_CHECK(false, "quant_matmul: no kernel for ggml type ", type);
+// a whole row of `in` values, the block function inlined (no call per block)
+template <void (*Dequant)(const uint8_t*, float*), int64_t kValues, int64_t kBytes>
+void dequant_row_of(const uint8_t* row, int64_t in, float* y) {
+  for (int64_t v = 0, b = 0; v < in; v += kValues, b += kBytes) Dequant(row + b, y + v);
 }
 
-void dequant_row(DequantBlock dequant, const Layout& lay, const uint8_t* row, int64_t in,
-                 float* y) {
-  for (int64_t v = 0, b = 0; v < in; v += lay.block_values, b += lay.block_bytes) {
-    dequant(row + b, y + v);
+using DequantRow = void (*)(const uint8_t*, int64_t, float*);
+
+DequantRow dequant_row_for(int64_t type) {
+  switch (type) {
+    case Q4_0: return dequant_row_of<dequant_q4_0, 32, 18>;
+    case Q4_1: return dequant_row_of<dequant_q4_1, 32, 20>;
+    case Q5_0: return dequant_row_of<dequant_q5_0, 32, 22>;
+    case Q8_0: return dequant_row_of<dequant_q8_0, 32, 34>;
+    case Q4_K: return dequant_row_of<dequant_q4_k, 256, 144>;
+    case Q5_K: return dequant_row_of<dequant_q5_k, 256, 176>;
+    case Q6_K: return dequant_row_of<dequant_q6_k, 256, 210>;
   }
+  TORCH_CHECK(false, "quant_matmul: no kernel for ggml type ", type);
 }
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -205,7 +207,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
   const int64_t rows = x.size(0);
   at::Tensor y = at::empty({rows, out}, xf.options());
   const Layout lay = layout_of(type);
-  const DequantBlock dequant = dequant_of(type);
+  const DequantRow dequant_row = dequant_row_for(type);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const float* xp = xf.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -213,7 +215,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> wrow(in);
     for (int64_t o = begin; o < end; ++o) {
-      dequant_row(dequant, lay, w + o * row_bytes, in, wrow.data());
+      dequant_row(w + o * row_bytes, in, wrow.data());
       for (int64_t r = 0; r < rows; ++r) yp[r * out + o] = dot(xp + r * in, wrow.data(), in);
     }
   });
@@ -224,13 +226,13 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t t
 at::Tensor quant_dequantize(const at::Tensor& weight, int64_t type, int64_t out, int64_t in) {
   check_weight(weight, type, out, in);
   const Layout lay = layout_of(type);
-  const DequantBlock dequant = dequant_of(type);
+  const DequantRow dequant_row = dequant_row_for(type);
   at::Tensor y = at::empty({out, in}, at::kFloat);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = in / lay.block_values * lay.block_bytes;
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) dequant_row(dequant, lay, w + o * row_bytes, in, yp + o * in);
+    for (int64_t o = begin; o < end; ++o) dequant_row(w + o * row_bytes, in, yp + o * in);
   });
   return y;
 }
