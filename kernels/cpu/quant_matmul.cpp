@@ -74,10 +74,10 @@ void dequant_q5_0(const uint8_t* __restrict__ b, float* __restrict__ y) {
   std::memcpy(&qh, b + 2, 4);
   const uint8_t* qs = b + 6;
   for (int j = 0; j < 16; ++j) {
-    const int lo = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
-    const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-    y[j] = d * (lo - 16);
-    y[j + 16] = d * (hi - 16);
+    const uint32_t lo = (qs[j] & 0xFu) | (((qh >> j) << 4) & 0x10u);
+    const uint32_t hi = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10u);
+    y[j] = d * (static_cast<int>(lo) - 16);
+    y[j + 16] = d * (static_cast<int>(hi) - 16);
   }
 }
 
