@@ -9,7 +9,9 @@
 // Method: threads over output rows (at::parallel_for); each weight row is dequantized block by
 // block into a per-thread float32 buffer of `in` floats (stays in L1/L2), then dotted with every
 // row of x (8-wide FMA, four accumulators). The weight bytes are read once per call whatever the
-// number of rows. quant_dequantize returns the whole float32 matrix (the prefill path: torch's
+// number of rows. No intrinsics: the block dequantizers are written so that -march=native
+// vectorizes them (AVX2 here, AVX-512 where the build machine has it); activations are not
+// quantized to Q8 (llama.cpp's integer path) yet. quant_dequantize returns the whole float32 matrix (the prefill path: torch's
 // blocked matmul then runs on it). Oracle: gguf-py's gguf.quants.dequantize
 // (tests/test_quant_kernels.py).
 
