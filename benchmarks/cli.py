@@ -17,7 +17,7 @@ from runtime.config import EngineConfig
 
 def register_bench(bench_subparsers) -> None:
     """Adds every `conveyor bench <name>`."""
-    from benchmarks import gpu, overhead, serve, step, structured
+    from benchmarks import gpu, overhead, quant, serve, step, structured
 
     register_offline(bench_subparsers)
     register_priority(bench_subparsers)
@@ -26,6 +26,7 @@ def register_bench(bench_subparsers) -> None:
     gpu.register(bench_subparsers)
     step.register(bench_subparsers)
     structured.register(bench_subparsers)
+    quant.register(bench_subparsers)
 
 
 def register_offline(sub) -> None:

@@ -1,0 +1,125 @@
+"""GGUF-quantized weights (runtime/models/quant.py, kernels/cpu/quant_matmul.cpp) against their
+oracle: gguf-py's dequantize, then a float32 matmul."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels import native
+from runtime.models import quant
+from runtime.models.quant import QuantizedEmbedding, QuantizedLinear, random_blocks
+
+Q = gguf.GGMLQuantizationType
+QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)  # gguf-py's quantize makes these
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+QWEN = "/work/gguf/qwen2.5-coder-0.5b-instruct.gguf"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert native.native_ops() is not None, "the native CPU kernels did not build (see the log)"
+
+
+def oracle(blocks: np.ndarray, qtype, out_features, in_features) -> torch.Tensor:
+    values = gguf.quants.dequantize(blocks, qtype).astype(np.float32)
+    return torch.from_numpy(values.reshape(out_features, in_features))
+
+
+def quantized(qtype, out_features, in_features, rng) -> np.ndarray:
+    if qtype in K_QUANTS:
+        return random_blocks(qtype, out_features, in_features, rng)
+    weights = rng.standard_normal((out_features, in_features)).astype(np.float32)
+    return gguf.quants.quantize(weights, qtype)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
+def test_dequantize_is_gguf_py(qtype):
+    rng = np.random.default_rng(int(qtype))
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    blocks = random_blocks(qtype, 7, 3 * block, rng)  # random bits: every code path of the type
+    linear = QuantizedLinear(blocks, qtype, 7, 3 * block)
+    torch.testing.assert_close(
+        linear.dequantize(), oracle(blocks, qtype, 7, 3 * block), atol=0, rtol=0
+    )
+    assert linear.weight_nbytes == blocks.nbytes
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 512])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_linear_matches_dequantized_matmul(qtype, rows, dtype, tol):
+    rng = np.random.default_rng(rows * 31 + int(qtype))
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    out_features, in_features = 37, block * (3 if block == 32 else 2)
+    blocks = quantized(qtype, out_features, in_features, rng)
+    bias = torch.from_numpy(rng.standard_normal(out_features).astype(np.float32))
+    linear = QuantizedLinear(blocks, qtype, out_features, in_features, bias=bias)
+    x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32)).to(dtype)
+    expected = torch.nn.functional.linear(
+        x.float(), oracle(blocks, qtype, out_features, in_features), bias
+    )
+    got = linear(x)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.float(), expected, atol=tol * scale, rtol=tol)
+
+
+def test_prefill_tiles_cover_every_output_row(monkeypatch):
+    monkeypatch.setattr(quant, "TILE_VALUES", 5 * 64)  # 5 output rows a tile, 41 rows: 9 tiles
+    rng = np.random.default_rng(5)
+    blocks = quantized(Q.Q8_0, 41, 64, rng)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(5))
+    expected = x @ oracle(blocks, Q.Q8_0, 41, 64).T
+    torch.testing.assert_close(
+        QuantizedLinear(blocks, Q.Q8_0, 41, 64)(x), expected, atol=1e-4, rtol=1e-4
+    )
+
+
+def test_fallback_without_native_kernels_is_the_oracle(monkeypatch):
+    monkeypatch.setattr(quant, "native_ops", lambda: None)
+    rng = np.random.default_rng(6)
+    blocks = random_blocks(Q.Q6_K, 5, 256, rng)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6))
+    expected = x @ oracle(blocks, Q.Q6_K, 5, 256).T
+    torch.testing.assert_close(QuantizedLinear(blocks, Q.Q6_K, 5, 256)(x), expected)
+
+
+@pytest.mark.parametrize("qtype", (Q.Q5_0, Q.Q4_K), ids=lambda t: t.name)
+def test_embedding_dequantizes_the_rows_looked_up(qtype):
+    rng = np.random.default_rng(7)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    blocks = random_blocks(qtype, 50, block, rng)
+    embedding = QuantizedEmbedding(blocks, qtype, 50, block)
+    ids = torch.tensor([[3, 49, 3], [0, 7, 12]])
+    torch.testing.assert_close(
+        embedding(ids), oracle(blocks, qtype, 50, block)[ids], atol=0, rtol=0
+    )
+    with pytest.raises(IndexError):
+        embedding(torch.tensor([50]))
+
+
+def test_shape_that_the_blocks_cannot_hold_is_refused():
+    blocks = np.zeros((4, 34), np.uint8)
+    with pytest.raises(ValueError):
+        QuantizedLinear(blocks, Q.Q8_0, 4, 48)
+    with pytest.raises(ValueError):
+        QuantizedLinear(blocks, Q.Q8_0, 4, 64)
+
+
+@pytest.mark.slow
+def test_real_tensors_of_every_type_in_the_file():
+    reader = gguf.GGUFReader(QWEN)
+    checked = set()
+    for tensor in reader.tensors:
+        if tensor.tensor_type == Q.F32 or tensor.tensor_type in checked:
+            continue
+        checked.add(tensor.tensor_type)
+        linear = QuantizedLinear.from_reader_tensor(tensor)
+        assert linear.blocks.data_ptr() == tensor.data.ctypes.data  # a view of the file, no copy
+        expected = oracle(tensor.data, tensor.tensor_type, linear.out_features, linear.in_features)
+        x = torch.randn(4, linear.in_features, generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(linear(x), x @ expected.T, atol=1e-3, rtol=1e-3)
+    assert checked == {Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q4_K}
