@@ -71,8 +71,8 @@ class InputBatch:
             self.remove(request.request_id)
         for row in out.new_rows:
             self.add(row)
-        for append in out.appends:
-            self._append(append)
+        if out.appends:
+            self._append_all(out.appends)
 
     def add(self, new: NewRow) -> int:
         row = self.free_rows.pop()
@@ -88,13 +88,26 @@ class InputBatch:
         self.updates.params.append(values)
         return row
 
-    def _append(self, append: RowAppend) -> None:
-        row = self.rows[append.request_id]
-        state = self.row_state[row]
-        if append.token_ids:
-            self._write_tokens(row, state, append.token_ids)
-        if append.block_ids:
-            self._write_blocks(row, state, append.block_ids)
+    def _append_all(self, appends: list[RowAppend]) -> None:
+        """Every row's new tokens in one indexed write (a decode step brings one per row)."""
+        rows, columns, token_ids, lengths = [], [], [], {}
+        for append in appends:
+            row = self.rows[append.request_id]
+            state = self.row_state[row]
+            if append.token_ids:
+                start = state.num_tokens
+                state.num_tokens += len(append.token_ids)
+                if state.num_tokens > self.max_model_len:
+                    raise ValueError(f"{state.request_id} has more than {self.max_model_len} tokens")
+                rows += [row] * len(append.token_ids)
+                columns += range(start, state.num_tokens)
+                token_ids += append.token_ids
+                lengths[row] = state.num_tokens
+            if append.block_ids:
+                self._write_blocks(row, state, append.block_ids)
+        if rows:
+            self.token_ids[rows, columns] = torch.tensor(token_ids, dtype=torch.int32)
+            self.num_tokens[list(lengths)] = torch.tensor(list(lengths.values()))
 
     def _write_tokens(self, row: int, state: Row, token_ids: list[int]) -> None:
         start, end = state.num_tokens, state.num_tokens + len(token_ids)
