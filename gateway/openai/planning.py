@@ -37,6 +37,7 @@ from gateway.openai.structured import (
     prepare,
     template_messages,
     template_tools,
+    tool_choice,
 )
 from runtime.engine import prompt_error
 from runtime.engine_client import EngineInfo
@@ -157,9 +158,11 @@ async def make_plan(
     max_tokens: list[int],
     logprobs: int | None,
     param: str,
+    choice: str | None = None,
 ) -> Plan:
+    """choice: the chat body's tool_choice, decided once (None for completions)."""
     principal = request[PRINCIPAL]
-    spec, source = grammar_spec(body) or (None, None)
+    spec, source = grammar_spec(body, choice) or (None, None)
     params = [
         sampling_params(body, max_tokens[choice // body.n], logprobs, choice % body.n, spec)
         for choice in range(len(prompts) * body.n)
@@ -216,7 +219,7 @@ async def completion_prompts(engine, body: CompletionRequest) -> list[list[int]]
     return [list(ids) for ids in prompt]
 
 
-async def chat_prompt(engine, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(engine, body: ChatCompletionRequest, choice: str | None) -> list[int]:
     if not engine.tokenizer.has_chat_template:
         raise bad_request(
             f"The model {engine.info.model_name!r} has no chat template (a base model): "
@@ -225,8 +228,8 @@ async def chat_prompt(engine, body: ChatCompletionRequest) -> list[int]:
             code="model_has_no_chat_template",
         )
     own_tools = engine.tokenizer.template_renders_tools  # Qwen's: its own "# Tools" section
-    messages = template_messages(body, own_tools)
-    tools = template_tools(body) if own_tools else None
+    messages = template_messages(body, choice, own_tools)
+    tools = template_tools(body, choice) if own_tools else None
     try:
         return await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages, True, tools)
     except ValueError as error:
@@ -249,9 +252,10 @@ async def plan_chat(request: web.Request, body: ChatCompletionRequest) -> Plan:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
     engine = request.app[ENGINE_CLIENT]
-    prompt = await chat_prompt(engine, body)
+    choice = tool_choice(body)
+    prompt = await chat_prompt(engine, body, choice)
     requested_max = body.max_completion_tokens or body.max_tokens
     check_prompt_fits(engine.info, prompt, requested_max, "messages")
     max_tokens = requested_max or engine.info.max_model_len - len(prompt)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await make_plan(request, body, [prompt], [max_tokens], logprobs, "messages")
+    return await make_plan(request, body, [prompt], [max_tokens], logprobs, "messages", choice)

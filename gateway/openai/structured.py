@@ -81,9 +81,9 @@ def tool_choice(body: SamplingFields) -> str | None:
     return name or choice or "auto"
 
 
-def grammar_spec(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
-    """(spec, source) of the body's constraint, or None for free text."""
-    choice = tool_choice(body)
+def grammar_spec(body: SamplingFields, choice: str | None) -> tuple[GrammarSpec, str] | None:
+    """(spec, source) of the body's constraint, or None for free text; choice: the body's
+    `tool_choice(body)`, decided once per request."""
     response_format = body.response_format
     if choice is not None:
         if response_format is not None and response_format.type != "text":
@@ -109,20 +109,20 @@ def _tools_spec(body: ChatCompletionRequest, choice: str, parallel: bool) -> Gra
 
 
 def template_messages(
-    body: ChatCompletionRequest, template_renders_tools: bool = False
+    body: ChatCompletionRequest, choice: str | None, template_renders_tools: bool = False
 ) -> list[dict[str, str]]:
     """The messages for the chat template, the tools described in the system message when
     they are in play and the template has no place for them (SmolLM2's, like many); a template
     that renders tools itself (Qwen's) gets them from `template_tools`."""
     messages = [message.as_template_message() for message in body.messages]
-    if tool_choice(body) is None or template_renders_tools:
+    if choice is None or template_renders_tools:
         return messages
     return with_tools_prompt(messages, tool_functions(body))
 
 
-def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+def template_tools(body: ChatCompletionRequest, choice: str | None) -> list[dict[str, Any]] | None:
     """The tools in play, as chat templates take them (OpenAI's shape); None when none are."""
-    if tool_choice(body) is None:
+    if choice is None:
         return None
     return [
         {"type": "function", "function": {"name": f.name, "description": f.description or "",
