@@ -73,10 +73,12 @@ class ModelCosts:
     attention_flops_per_pair: int  # one query token against one context token, all layers
 
     @classmethod
-    def of(cls, model_config, dtype: torch.dtype) -> ModelCosts:
+    def of(cls, model_config, dtype: torch.dtype, weight_bytes: int | None = None) -> ModelCosts:
+        """weight_bytes: what a step reads (CausalLM.weight_bytes_per_token: GGUF blocks where
+        they are kept); default every parameter in `dtype`."""
         mc, itemsize = model_config, dtype.itemsize
         return cls(
-            weight_bytes=mc.num_parameters * itemsize,
+            weight_bytes=weight_bytes or mc.num_parameters * itemsize,
             kv_bytes_per_token=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize,
             flops_per_token=2 * mc.num_parameters,
             attention_flops_per_pair=4 * mc.num_layers * mc.num_heads * mc.head_dim,

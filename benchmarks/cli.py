@@ -17,7 +17,7 @@ from runtime.config import EngineConfig
 
 def register_bench(bench_subparsers) -> None:
     """Adds every `conveyor bench <name>`."""
-    from benchmarks import gpu, overhead, quant, serve, step, structured
+    from benchmarks import gpu, overhead, quant, quant_accuracy, serve, step, structured
 
     register_offline(bench_subparsers)
     register_priority(bench_subparsers)
@@ -27,6 +27,7 @@ def register_bench(bench_subparsers) -> None:
     step.register(bench_subparsers)
     structured.register(bench_subparsers)
     quant.register(bench_subparsers)
+    quant_accuracy.register(bench_subparsers)
 
 
 def register_offline(sub) -> None:

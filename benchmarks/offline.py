@@ -108,7 +108,9 @@ def run_conveyor(engine, workload: Workload, policy: str) -> tuple[SystemRun, li
         engine.add_request(prompt, benchmark_params(n), request_id=f"{policy}-{i}")
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens))
     ]
-    bound = StepBound(ModelCosts.of(engine.runner.model_config, engine.runner.dtype), requests)
+    runner = engine.runner
+    costs = ModelCosts.of(runner.model_config, runner.dtype, runner.model.weight_bytes_per_token())
+    bound = StepBound(costs, requests)
     while engine.has_unfinished():
         time.sleep(engine.seconds_until_runnable())  # dynamic batching waits for its batch
         step_start = time.perf_counter()
@@ -294,6 +296,8 @@ def machine_facts(engine) -> dict:
         "torch_threads": torch.get_num_threads(),
         "device": str(engine.runner.device),
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "quantization": engine.config.quantization,
+        "weight_bytes_per_token": engine.runner.model.weight_bytes_per_token(),
         "model": engine.model_name,
     }
 

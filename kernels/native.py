@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "cpu" / name
-    for name in ("paged_decode.cpp", "greedy_projection.cpp", "quant_matmul.cpp")
+    for name in ("paged_decode.cpp", "greedy_projection.cpp", "quant_matmul.cpp", "quant_dot.cpp")
 )
 LIBRARY = "conveyor_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")

@@ -42,6 +42,11 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on CUDA and on CPUs with avx512_bf16, else float32"
     )
+    quantization: Literal["gguf", "none"] = Field(
+        "gguf",
+        description="gguf: a .gguf's quantized weights stay in their blocks (CPU kernels; on "
+        "CUDA dequantized at load until its kernels land); none: dequantize at load to --dtype",
+    )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto | cpu | cuda | cuda:N"
     )

@@ -18,7 +18,13 @@ NUM_NEW = 12
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     return Engine(
-        EngineConfig(dtype="float32", num_kv_blocks=1200, max_batch_tokens=512, max_num_seqs=16)
+        EngineConfig(
+            dtype="float32",
+            quantization="none",
+            num_kv_blocks=1200,
+            max_batch_tokens=512,
+            max_num_seqs=16,
+        )
     )
 
 
@@ -116,11 +122,14 @@ def test_preemption_keeps_outputs_identical(engine, prompts, mode):
         else SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True)
         for i in range(len(batch))
     ]
-    ample, _ = run_under_pressure(EngineConfig(dtype="float32", num_kv_blocks=400), batch, params)
+    ample, _ = run_under_pressure(
+        EngineConfig(dtype="float32", quantization="none", num_kv_blocks=400), batch, params
+    )
     # 24 blocks of 16 tokens cannot hold these 8 requests at once: someone must be preempted
     tight, preemptions = run_under_pressure(
         EngineConfig(
             dtype="float32",
+            quantization="none",
             num_kv_blocks=24,
             preemption_mode=mode,
             swap_space=0.5,

@@ -25,7 +25,12 @@ def gemma() -> Engine:
     pull(GEMMA)
     return Engine(
         EngineConfig(
-            model=GEMMA, dtype="float32", num_kv_blocks=120, max_batch_tokens=256, max_num_seqs=4
+            model=GEMMA,
+            dtype="float32",
+            quantization="none",
+            num_kv_blocks=120,
+            max_batch_tokens=256,
+            max_num_seqs=4,
         )
     )
 

@@ -47,7 +47,12 @@ def qwen() -> Engine:
     pull(QWEN)
     return Engine(
         EngineConfig(
-            model=QWEN, dtype="float32", num_kv_blocks=60, max_batch_tokens=128, max_num_seqs=4
+            model=QWEN,
+            dtype="float32",
+            quantization="none",
+            num_kv_blocks=60,
+            max_batch_tokens=128,
+            max_num_seqs=4,
         )
     )
 

@@ -10,12 +10,13 @@ import torch
 
 from kernels import native
 from runtime.models import quant
+from runtime.models.catalog import pull
 from runtime.models.quant import QuantizedEmbedding, QuantizedLinear, random_blocks
+from runtime.models.source import known_model_file
 
 Q = gguf.GGMLQuantizationType
 QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)  # gguf-py's quantize makes these
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-QWEN = "/work/gguf/qwen2.5-coder-0.5b-instruct.gguf"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,6 +48,35 @@ def test_dequantize_is_gguf_py(qtype):
     assert linear.weight_nbytes == blocks.nbytes
 
 
+def rounded_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as quant_dot sees it: per block of 32, round(x / d) * d with d = max|x| / 127."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks))
+    return (codes * d).reshape(x.shape)
+
+
+@pytest.mark.skipif(not quant.integer_dots(), reason="quant_dot needs x86 with AVX2")
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_integer_dot_is_the_oracle_on_int8_rounded_activations(qtype, rows, dtype):
+    rng = np.random.default_rng(rows * 17 + int(qtype))
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    out_features, in_features = 29, block * (5 if block == 32 else 2)
+    blocks = quantized(qtype, out_features, in_features, rng)
+    x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32)).to(dtype)
+    x[0, :32] = 0  # an all-zero block: scale 0
+    expected = rounded_to_int8_blocks(x) @ oracle(blocks, qtype, out_features, in_features).T
+    got = native.native_ops().quant_dot(
+        x, torch.from_numpy(blocks.copy()), int(qtype), out_features, in_features
+    )
+    assert got.dtype == dtype
+    scale = expected.abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the result's own rounding
+    torch.testing.assert_close(got.float(), expected, atol=tol * scale, rtol=tol)
+
+
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 512])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
@@ -63,6 +93,8 @@ def test_linear_matches_dequantized_matmul(qtype, rows, dtype, tol):
     )
     got = linear(x)
     assert got.dtype == dtype and got.shape == (rows, out_features)
+    if rows <= quant.DECODE_ROWS and quant.integer_dots():
+        tol = max(tol, 2e-2)  # x rounded to int8 per block of 32: ~0.5% of the largest output
     scale = expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=tol * scale, rtol=tol)
 
@@ -84,6 +116,7 @@ def test_fallback_without_native_kernels_is_the_oracle(monkeypatch):
     blocks = random_blocks(Q.Q6_K, 5, 256, rng)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6))
     expected = x @ oracle(blocks, Q.Q6_K, 5, 256).T
+    monkeypatch.setattr(quant, "integer_dots", lambda: False)
     torch.testing.assert_close(QuantizedLinear(blocks, Q.Q6_K, 5, 256)(x), expected)
 
 
@@ -111,7 +144,8 @@ def test_shape_that_the_blocks_cannot_hold_is_refused():
 
 @pytest.mark.slow
 def test_real_tensors_of_every_type_in_the_file():
-    reader = gguf.GGUFReader(QWEN)
+    pull("qwen2.5-coder-0.5b-instruct")
+    reader = gguf.GGUFReader(known_model_file("qwen2.5-coder-0.5b-instruct"))
     checked = set()
     for tensor in reader.tensors:
         if tensor.tensor_type == Q.F32 or tensor.tensor_type in checked:
@@ -121,5 +155,7 @@ def test_real_tensors_of_every_type_in_the_file():
         assert linear.blocks.data_ptr() == tensor.data.ctypes.data  # a view of the file, no copy
         expected = oracle(tensor.data, tensor.tensor_type, linear.out_features, linear.in_features)
         x = torch.randn(4, linear.in_features, generator=torch.Generator().manual_seed(1))
+        if quant.integer_dots():
+            x = rounded_to_int8_blocks(x)
         torch.testing.assert_close(linear(x), x @ expected.T, atol=1e-3, rtol=1e-3)
     assert checked == {Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q4_K}

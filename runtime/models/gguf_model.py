@@ -14,9 +14,11 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from runtime.models.gguf_file import GGUFFile, GGUFTensor, UnsupportedModelError, materialize
+from runtime.models.quant import QuantizedSpec, QuantizedTensor
 
 # GGUF architecture -> HF architecture (Mistral's GGUF files say "llama")
 ARCHITECTURES = {
@@ -174,18 +176,40 @@ def hf_weight_name(gguf_name: str, architecture: str) -> str | None:
     return f"model.layers.{layer}.{part_name}.{kind}"
 
 
+def quantizable_tensors(gguf: GGUFFile, types: frozenset) -> dict[str, QuantizedSpec]:
+    """{HF name: (type, out_features, in_features)} of the projections, the embedding and the
+    lm_head whose file type is one of `types`: the weights that can stay in their blocks."""
+    arch, specs = gguf.architecture, {}
+    for tensor in gguf.tensors.values():
+        name = hf_weight_name(tensor.name, arch)
+        if name and tensor.tensor_type in types and _is_matrix_weight(name):
+            out_features, in_features = tensor.shape
+            specs[name] = QuantizedSpec(tensor.tensor_type, out_features, in_features)
+    return specs
+
+
+def _is_matrix_weight(hf_name: str) -> bool:
+    return hf_name.endswith("_proj.weight") or hf_name in (
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+    )
+
+
 def hf_weights(
-    gguf: GGUFFile, config: dict, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+    gguf: GGUFFile, config: dict, dtype: torch.dtype, keep_quantized: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """(HF name, tensor in `dtype`) for every tensor the model uses, in file order, a few
-    dequantized ahead on worker threads (numpy lets go of the GIL); the file's pages are
+    dequantized ahead on worker threads (numpy lets go of the GIL); the names in
+    `keep_quantized` come as their blocks (QuantizedTensor) instead. The file's pages are
     dropped from this process once all are read."""
     gguf.check_tensor_types()
     arch = gguf.architecture
     named = [(n, t) for t in gguf.tensors.values() if (n := hf_weight_name(t.name, arch))]
 
-    def convert(item: tuple[str, GGUFTensor]) -> tuple[str, torch.Tensor]:
+    def convert(item: tuple[str, GGUFTensor]) -> tuple[str, torch.Tensor | QuantizedTensor]:
         name, tensor = item
+        if name in keep_quantized:
+            return name, _blocks_as_hf(tensor, name, arch, config)
         return name, _as_hf(tensor, name, arch, config, dtype)
 
     yield from bounded_map(convert, named)
@@ -212,6 +236,16 @@ def _as_hf(tensor: GGUFTensor, name: str, arch: str, config: dict, dtype) -> tor
         heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
         weight = unpermute_rope_rows(weight, heads)
     return weight
+
+
+def _blocks_as_hf(tensor: GGUFTensor, name: str, arch: str, config: dict) -> QuantizedTensor:
+    """The tensor's blocks, copied out of the mapped file: rows are output features, so
+    llama's Q/K rows are unpermuted as whole rows of blocks."""
+    blocks = torch.from_numpy(np.array(tensor.data, copy=True))  # [out, row_bytes]
+    if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+        blocks = unpermute_rope_rows(blocks, heads)
+    return QuantizedTensor(blocks, tensor.tensor_type, tensor.shape[-1])
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -16,6 +16,13 @@ from torch import nn
 from kernels import reference
 from runtime.models.attention import AttentionBackend, ForwardContext
 from runtime.models.config import ModelConfig, rope_cos_sin_cache
+from runtime.models.quant import (
+    QuantizedEmbedding,
+    QuantizedSpec,
+    QuantizedTensor,
+    QuantizedWeight,
+    quantized_projection,
+)
 
 GLOBAL_ROPE, LOCAL_ROPE = "global", "local"
 
@@ -165,6 +172,28 @@ FUSED_PROJECTIONS = {
 }
 
 
+def _num_parts(path: str) -> int:
+    """How many HF projections make the fused projection at `path` (q/k/v: 3, gate/up: 2)."""
+    fused = [f for f, _ in FUSED_PROJECTIONS.values() if path.endswith(f)]
+    return len(fused) or 1
+
+
+def _quantized_module(path: str, old: nn.Module, parts: dict, dtype) -> nn.Module | None:
+    """parts: {part index: (HF name, spec)} of the module at `path`; None: keep it in floats
+    (a part of a type without a kernel, say F16, in a fused projection)."""
+    if isinstance(old, nn.Embedding):
+        ((_, spec),) = parts.values()
+        return QuantizedEmbedding(None, *spec, dtype=dtype)
+    if len(parts) != _num_parts(path):
+        return None
+    ordered = [parts[i][1] for i in sorted(parts)]
+    return quantized_projection(
+        [(spec.ggml_type, spec.out_features) for spec in ordered],
+        old.in_features,
+        old.bias is not None,
+    )
+
+
 class CausalLM(nn.Module):
     norm_unit_offset = False  # Gemma: every RMSNorm weight is stored as w - 1
 
@@ -184,6 +213,7 @@ class CausalLM(nn.Module):
         self.packed_embedding: torch.Tensor | None = None  # tied lm_head, when packed
         # (hidden, weight) -> ids: argmax over the vocabulary without the logits (native, CPU)
         self.greedy_projection = None
+        self.quantized_names: frozenset[str] = frozenset()  # parameters loaded as GGUF blocks
 
     def make_layer(self, layer_index: int) -> nn.Module:
         raise NotImplementedError
@@ -220,6 +250,8 @@ class CausalLM(nn.Module):
         """hidden: [num_seqs, hidden] -> logits [num_seqs, vocab] float32."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()
+        elif isinstance(self.embed_tokens, QuantizedEmbedding):
+            logits = self.embed_tokens.matmul(hidden).float()
         elif self.packed_embedding is not None:
             logits = packed_linear(hidden, self.packed_embedding, None).float()
         else:
@@ -243,11 +275,52 @@ class CausalLM(nn.Module):
                 module.pack(
                     keep_weight=module is self.lm_head and self.greedy_projection is not None
                 )
-        if self.lm_head is None:
+        if self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
             self.packed_embedding = pack_weight(self.embed_tokens.weight)
 
+    def weight_bytes_per_token(self) -> int:
+        """Weight bytes a decode step reads at batch 1: every projection and the output
+        projection as held (GGUF blocks or floats); the embedding lookup reads a row."""
+        itemsize = self.norm.weight.dtype.itemsize
+        total = 0
+        for module in self.modules():
+            if isinstance(module, QuantizedWeight) and module is not self.embed_tokens:
+                total += module.weight_nbytes
+            elif isinstance(module, Linear):
+                total += module.in_features * module.out_features * itemsize
+        if self.lm_head is None and isinstance(self.embed_tokens, QuantizedWeight):
+            total += self.embed_tokens.weight_nbytes
+        elif self.lm_head is None:
+            total += self.embed_tokens.weight.numel() * itemsize
+        return total
+
+    @property
+    def output_is_quantized(self) -> bool:
+        """The lm_head (or the tied embedding) runs on GGUF blocks: no float weight to project."""
+        output = self.embed_tokens if self.lm_head is None else self.lm_head
+        return isinstance(output, QuantizedWeight)
+
+    def quantize(self, specs: dict[str, QuantizedSpec], dtype: torch.dtype) -> frozenset[str]:
+        """Before the weights are allocated (on the meta device): swap each projection whose
+        every part is in specs, and the embedding, for a module over GGUF blocks. Returns the HF
+        names now loaded as blocks."""
+        groups: dict[str, dict[int, tuple[str, QuantizedSpec]]] = {}
+        for hf_name, spec in specs.items():
+            target = self._target_of(hf_name)
+            if target is not None:
+                groups.setdefault(target[0], {})[target[1]] = (hf_name, spec)
+        kept: set[str] = set()
+        for name, parts in groups.items():
+            path = name.removesuffix(".weight")
+            module = _quantized_module(path, self.get_submodule(path), parts, dtype)
+            if module is not None:
+                self.set_submodule(path, module)
+                self.quantized_names |= {name}
+                kept |= {hf_name for hf_name, _ in parts.values()}
+        return frozenset(kept)
+
     # ---- weights ----------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         params = dict(self.named_parameters())
         loaded = set()
         for hf_name, tensor in weights:
@@ -255,12 +328,16 @@ class CausalLM(nn.Module):
             if target is None:
                 continue
             name, part = target
+            if isinstance(tensor, QuantizedTensor):
+                self.get_submodule(name.removesuffix(".weight")).load_part(part, tensor)
+                loaded.add(name)
+                continue
             param = params[name]
             offset = self._part_offset(name, part)
             with torch.no_grad():
                 param.data[offset : offset + tensor.shape[0]].copy_(tensor)
             loaded.add(name)
-        missing = set(params) - loaded
+        missing = (set(params) | self.quantized_names) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
         for module in self.modules():

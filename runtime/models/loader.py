@@ -4,6 +4,7 @@ its rope tables."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -12,7 +13,9 @@ from torch import nn
 from kernels import native
 from runtime.models.config import ModelConfig
 from runtime.models.families import model_class_for
+from runtime.models.gguf_model import quantizable_tensors
 from runtime.models.layers import can_pack
+from runtime.models.quant import FLOAT_TYPES, NATIVE_TYPES
 from runtime.models.source import (  # noqa: F401 (the names callers know this module by)
     ModelNotFoundError,
     ModelSource,
@@ -22,17 +25,48 @@ from runtime.models.source import (  # noqa: F401 (the names callers know this m
     served_model_names,
 )
 
+log = logging.getLogger(__name__)
+
 
 def load_model(
-    model: ModelSource | str | os.PathLike, config: ModelConfig, dtype, device, backend
+    model: ModelSource | str | os.PathLike,
+    config: ModelConfig,
+    dtype,
+    device,
+    backend,
+    quantization: str = "gguf",
 ) -> nn.Module:
+    """quantization "gguf": a GGUF file's projections and embedding stay in the file's blocks
+    where a kernel runs their type on the device; "none": every tensor dequantized to `dtype`."""
     source = open_model(model)
+    device = torch.device(device)
     with torch.device("meta"):
         module = model_class_for(config)(config, backend)
+        kept = module.quantize(_quantizable(source, device, quantization), dtype)
     module = module.to_empty(device=device).to(dtype)
-    module.load_weights(source.weights(dtype))
+    module.load_weights(source.weights(dtype, kept))
     module.build_rope(device)
-    module.greedy_projection = native.greedy_projection_for(torch.device(device), dtype)
+    if not module.output_is_quantized:
+        module.greedy_projection = native.greedy_projection_for(device, dtype)
     if can_pack(device, dtype):
         module.pack_linears()
     return module.eval()
+
+
+def _quantizable(source: ModelSource, device: torch.device, quantization: str) -> dict:
+    if quantization == "none" or not source.is_gguf:
+        return {}
+    if device.type != "cpu":
+        log.info("no %s kernels for GGUF blocks yet: weights dequantized at load", device.type)
+        return {}
+    specs = quantizable_tensors(source.gguf, NATIVE_TYPES)
+    _log_dequantized_types(source)
+    return specs
+
+
+def _log_dequantized_types(source: ModelSource) -> None:
+    """One line naming the file's quantized types that have no kernel (dequantized at load)."""
+    types = {t.tensor_type for t in source.gguf.tensors.values()}
+    slow = sorted(t.name for t in types - NATIVE_TYPES if t not in FLOAT_TYPES)
+    if slow:
+        log.info("%s: no kernel for %s: dequantized at load", source.path.name, ", ".join(slow))

@@ -9,8 +9,11 @@ kernel, the weight is dequantized with gguf-py (the oracle) and F.linear runs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 
 Q = gguf.GGMLQuantizationType
 NATIVE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 DECODE_ROWS = 16  # at most this many rows run the fused kernel; more dequantize tiles
 TILE_VALUES = 1 << 22  # dequantized floats per prefill tile (16 MiB)
 _logged_slow_types: set[Q] = set()
@@ -41,18 +45,58 @@ def _raw_blocks(data: np.ndarray | torch.Tensor, out_features: int) -> torch.Ten
     return blocks.reshape(out_features, -1)
 
 
-class _QuantizedWeight(nn.Module):
-    """The blocks, their type and the float shape [out_features, in_features] they stand for."""
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A weight of the file kept in its blocks: [out_features, row_bytes] uint8 rows standing
+    for float rows of in_features values."""
+
+    blocks: torch.Tensor
+    ggml_type: Q
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+
+@functools.cache
+def integer_dots() -> bool:
+    """Activations quantized to int8 and integer dot products (kernels/cpu/quant_dot.cpp, x86
+    with AVX2 at least); else the float kernel (quant_matmul.cpp)."""
+    ops = native_ops()
+    return ops is not None and ops.quant_dot_available()
+
+
+class QuantizedSpec(NamedTuple):
+    """What a quantized weight will be, before its blocks are read."""
+
+    ggml_type: Q
+    out_features: int
+    in_features: int
+
+
+def row_bytes(ggml_type, in_features: int) -> int:
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[Q(ggml_type)]
+    if in_features % block_values:
+        raise ValueError(f"in_features {in_features} is not a multiple of {block_values}")
+    return in_features // block_values * block_bytes
+
+
+class QuantizedWeight(nn.Module):
+    """The blocks, their type and the float shape [out_features, in_features] they stand for.
+    blocks None: an empty buffer of the right size (on the default device: meta while the model
+    is built), filled later by load_rows."""
 
     def __init__(self, blocks, ggml_type, out_features: int, in_features: int):
         super().__init__()
         self.ggml_type = Q(ggml_type)
-        block_values, block_bytes = gguf.GGML_QUANT_SIZES[self.ggml_type]
-        if in_features % block_values:
-            raise ValueError(f"in_features {in_features} is not a multiple of {block_values}")
         self.out_features, self.in_features = out_features, in_features
-        raw = _raw_blocks(blocks, out_features)
-        if raw.shape[1] != in_features // block_values * block_bytes:
+        size = row_bytes(self.ggml_type, in_features)
+        if blocks is None:
+            raw = torch.empty(out_features, size, dtype=torch.uint8)
+        else:
+            raw = _raw_blocks(blocks, out_features)
+        if raw.shape[1] != size:
             raise ValueError(
                 f"{tuple(raw.shape)} bytes do not hold [{out_features}, {in_features}]"
             )
@@ -62,6 +106,9 @@ class _QuantizedWeight(nn.Module):
     def weight_nbytes(self) -> int:
         return self.blocks.numel()
 
+    def load_rows(self, start: int, blocks: torch.Tensor) -> None:
+        self.blocks[start : start + blocks.shape[0]].copy_(blocks)
+
     def _native(self):
         if self.blocks.device.type != "cpu" or self.ggml_type not in NATIVE_TYPES:
             return None
@@ -69,17 +116,22 @@ class _QuantizedWeight(nn.Module):
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """float32 [len(rows), in_features] of the given output rows (all by default)."""
-        blocks = self.blocks[rows]
+        return _dequantize_blocks(self, self.blocks[rows])
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, in_features] -> [n, out_features] in rows' dtype."""
         ops = self._native()
-        if ops is not None:
-            return ops.quant_dequantize(
-                blocks, int(self.ggml_type), blocks.shape[0], self.in_features
+        if ops is not None and rows.shape[0] <= DECODE_ROWS:
+            kernel = ops.quant_dot if integer_dots() else ops.quant_matmul
+            return kernel(
+                rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features
             )
-        if self.ggml_type not in NATIVE_TYPES and self.ggml_type not in _logged_slow_types:
-            _logged_slow_types.add(self.ggml_type)
-            log.info("no quantized kernel for %s: dequantized with gguf-py", self.ggml_type.name)
-        values = gguf.quants.dequantize(blocks.cpu().numpy(), self.ggml_type)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(blocks.device)
+        y = rows.new_empty(rows.shape[0], self.out_features)
+        tile = max(1, TILE_VALUES // self.in_features)
+        for start in range(0, self.out_features, tile):
+            part = slice(start, min(start + tile, self.out_features))
+            y[:, part] = F.linear(rows, self.dequantize(part).to(rows.dtype))
+        return y
 
     @classmethod
     def from_reader_tensor(cls, tensor, **kwargs):
@@ -88,40 +140,89 @@ class _QuantizedWeight(nn.Module):
         return cls(tensor.data, tensor.tensor_type, out_features, in_features, **kwargs)
 
 
-class QuantizedLinear(_QuantizedWeight):
-    """y [n, out] = x [n, in] @ W^T (+ bias), W in GGUF blocks."""
+class QuantizedLinear(QuantizedWeight):
+    """y [n, out] = x [n, in] @ W^T (+ bias), W in GGUF blocks. A fused projection (q/k/v,
+    gate/up) whose parts share a type is one QuantizedLinear: `part_rows` says where each part
+    starts."""
 
-    def __init__(self, blocks, ggml_type, out_features: int, in_features: int, bias=None):
+    def __init__(
+        self, blocks, ggml_type, out_features: int, in_features: int, bias=None,
+        part_rows: tuple[int, ...] | None = None,
+    ):  # fmt: skip
         super().__init__(blocks, ggml_type, out_features, in_features)
-        self.bias = (
-            None if bias is None else nn.Parameter(torch.as_tensor(bias), requires_grad=False)
-        )
+        if bias is True:  # filled when the checkpoint is loaded
+            bias = torch.zeros(out_features)
+        if bias is None or bias is False:
+            self.bias = None
+        else:
+            self.bias = nn.Parameter(torch.as_tensor(bias), requires_grad=False)
+        self.part_starts = _starts(part_rows or (out_features,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        ops = self._native()
-        if ops is not None and rows.shape[0] <= DECODE_ROWS:
-            y = ops.quant_matmul(
-                rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features
-            )
-        else:
-            y = self._tiled_linear(rows)
+        y = self.matmul(x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _tiled_linear(self, rows: torch.Tensor) -> torch.Tensor:
-        y = rows.new_empty(rows.shape[0], self.out_features)
-        tile = max(1, TILE_VALUES // self.in_features)
-        for start in range(0, self.out_features, tile):
-            part = slice(start, min(start + tile, self.out_features))
-            y[:, part] = F.linear(rows, self.dequantize(part).to(rows.dtype))
-        return y
+    def load_part(self, part: int, tensor: QuantizedTensor) -> None:
+        self.load_rows(self.part_starts[part], tensor.blocks)
 
 
-class QuantizedEmbedding(_QuantizedWeight):
-    """ids [...] -> [..., embedding_dim] float32, dequantizing only the rows looked up.
-    out_features is the vocabulary, in_features the embedding dimension (GGUF's ne1, ne0)."""
+class ConcatLinear(nn.Module):
+    """A fused projection whose parts have different types (Q4_K_M files mix Q4_K and Q6_K
+    within q/k/v): one QuantizedLinear per part, their outputs side by side."""
+
+    def __init__(self, parts: list[tuple[Q, int]], in_features: int, bias: bool):
+        super().__init__()
+        self.parts = nn.ModuleList(
+            QuantizedLinear(None, ggml_type, rows, in_features) for ggml_type, rows in parts
+        )
+        self.in_features = in_features
+        self.out_features = sum(rows for _, rows in parts)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return sum(part.weight_nbytes for part in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = torch.cat([part.matmul(rows) for part in self.parts], dim=-1)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def load_part(self, part: int, tensor: QuantizedTensor) -> None:
+        self.parts[part].load_rows(0, tensor.blocks)
+
+
+def quantized_projection(parts: list[tuple[Q, int]], in_features: int, bias: bool) -> nn.Module:
+    """The module for a (fused) projection whose parts, in order, are (type, rows)."""
+    types = {ggml_type for ggml_type, _ in parts}
+    if len(types) > 1:
+        return ConcatLinear(parts, in_features, bias)
+    rows = tuple(r for _, r in parts)
+    return QuantizedLinear(None, parts[0][0], sum(rows), in_features, bias, part_rows=rows)
+
+
+def _starts(rows: tuple[int, ...]) -> tuple[int, ...]:
+    starts, total = [], 0
+    for count in rows:
+        starts.append(total)
+        total += count
+    return tuple(starts)
+
+
+class QuantizedEmbedding(QuantizedWeight):
+    """ids [...] -> [..., embedding_dim] in `dtype`, dequantizing only the rows looked up.
+    out_features is the vocabulary, in_features the embedding dimension (GGUF's ne1, ne0). A tied
+    lm_head multiplies by the same blocks (`matmul`)."""
+
+    def __init__(self, blocks, ggml_type, out_features, in_features, dtype=torch.float32):
+        super().__init__(blocks, ggml_type, out_features, in_features)
+        self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -129,16 +230,23 @@ class QuantizedEmbedding(_QuantizedWeight):
             raise IndexError(f"token id out of range [0, {self.out_features})")
         unique, inverse = torch.unique(flat, return_inverse=True)
         picked = self.blocks.index_select(0, unique.to(self.blocks.device))
-        values = _dequantize_blocks(self, picked)
+        values = _dequantize_blocks(self, picked).to(self.dtype)
         return values[inverse].reshape(*ids.shape, self.in_features)
 
+    def load_part(self, part: int, tensor: QuantizedTensor) -> None:
+        self.load_rows(0, tensor.blocks)
 
-def _dequantize_blocks(weight: _QuantizedWeight, picked: torch.Tensor) -> torch.Tensor:
+
+def _dequantize_blocks(weight: QuantizedWeight, picked: torch.Tensor) -> torch.Tensor:
+    """float32 [len(picked), in_features] of picked rows of weight's blocks."""
     ops = weight._native()
     if ops is not None:
         return ops.quant_dequantize(
             picked, int(weight.ggml_type), picked.shape[0], weight.in_features
         )
+    if weight.ggml_type not in NATIVE_TYPES and weight.ggml_type not in _logged_slow_types:
+        _logged_slow_types.add(weight.ggml_type)
+        log.info("no quantized kernel for %s: dequantized with gguf-py", weight.ggml_type.name)
     values = gguf.quants.dequantize(picked.cpu().numpy(), weight.ggml_type)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(picked.device)
 

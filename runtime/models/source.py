@@ -23,6 +23,7 @@ from runtime.models import catalog
 from runtime.models.config import ModelConfig
 from runtime.models.gguf_file import GGUFFile
 from runtime.models.gguf_model import hf_config, hf_weights
+from runtime.models.quant import QuantizedTensor
 from runtime.models.tokenizer import Tokenizer
 
 
@@ -53,10 +54,13 @@ class ModelSource:
         extra_eos = (self.hf_config.get("eos_token_id") or []) if self.gguf is not None else []
         return Tokenizer.from_pretrained(self.tokenizer_dir(), extra_eos)
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) pairs; GGUF tensors dequantized to `dtype` one at a time."""
+    def weights(
+        self, dtype: torch.dtype, keep_quantized: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """(HF name, tensor) pairs; GGUF tensors dequantized to `dtype` one at a time, but for
+        the names in keep_quantized, which come as their blocks."""
         if self.gguf is not None:
-            return hf_weights(self.gguf, self.hf_config, dtype)
+            return hf_weights(self.gguf, self.hf_config, dtype, keep_quantized)
         return read_safetensors(self.path)
 
 

@@ -51,7 +51,14 @@ class ModelRunner:
         source = open_model(model)
         self.model_config = source.config
         self.backend = AttentionBackend(self.device, config.block_size, self.dtype)
-        self.model = load_model(source, self.model_config, self.dtype, self.device, self.backend)
+        self.model = load_model(
+            source,
+            self.model_config,
+            self.dtype,
+            self.device,
+            self.backend,
+            config.quantization,
+        )
         self.kv_cache = self._allocate_kv_cache(config)
         self.sampler = Sampler(self.model_config.vocab_size)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

@@ -1,0 +1,83 @@
+"""Real GGUF files served on their own blocks (`--quantization gguf`, the default) against the
+same files dequantized at load (`--quantization none`, the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.quant_accuracy import fixed_text_ids, teacher_forced
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.models import quant
+from runtime.models.catalog import pull
+from runtime.models.layers import Linear
+from runtime.models.quant import ConcatLinear, QuantizedEmbedding, QuantizedLinear
+from scheduler.request import SamplingParams
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+SMOLLM2, QWEN = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"
+
+
+def engine_for(model: str, quantization: str, **settings) -> Engine:
+    defaults = dict(dtype="float32", num_kv_blocks=200, max_batch_tokens=quant.DECODE_ROWS)
+    return Engine(EngineConfig(model=model, quantization=quantization, **(defaults | settings)))
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> dict[str, Engine]:
+    return {q: engine_for(SMOLLM2, q) for q in ("gguf", "none")}
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if t.numel()}
+    tensors.pop(model.cos_sin_cache.data_ptr(), None)  # rope tables, not weights
+    tensors.pop(model.local_cos_sin_cache.data_ptr(), None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_every_projection_stays_in_the_files_blocks(smollm2):
+    model = smollm2["gguf"].runner.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)  # tied: also the lm_head
+    assert model.output_is_quantized and model.greedy_projection is None
+    assert not any(isinstance(m, Linear) for m in model.modules())
+    file_bytes = smollm2["gguf"].source.path.stat().st_size
+    assert resident_weight_bytes(model) <= 1.15 * file_bytes
+    assert model.weight_bytes_per_token() < file_bytes
+    dense = smollm2["none"].runner.model
+    assert not any(isinstance(m, quant.QuantizedWeight) for m in dense.modules())
+    assert dense.weight_bytes_per_token() > 4 * model.weight_bytes_per_token()  # float32
+
+
+def test_teacher_forced_argmax_and_perplexity_follow_the_float32_path(smollm2):
+    ids = fixed_text_ids(smollm2["none"], 512)
+    ours, oracle = (teacher_forced(smollm2[q], ids) for q in ("gguf", "none"))
+    agreement = (ours.argmax == oracle.argmax).double().mean().item()
+    assert agreement >= 0.93  # int8 activations; `bench quant-accuracy` measures 2,048 tokens
+    assert abs(ours.perplexity / oracle.perplexity - 1) < 0.01
+
+
+def test_greedy_decode_starts_as_the_float32_path(smollm2):
+    prompt = smollm2["none"].tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ours, oracle = (smollm2[q].generate([prompt], params)[0] for q in ("gguf", "none"))
+    assert ours.output_token_ids[:3] == oracle.output_token_ids[:3]
+    assert smollm2["gguf"].block_manager.num_free_gpu_blocks == (
+        smollm2["gguf"].block_manager.num_gpu_blocks
+    )
+
+
+def test_mixed_types_in_one_fused_projection_run_side_by_side():
+    """Qwen2.5-Coder's file: q, k Q5_0 with v Q8_0 in half the layers, ffn_down Q4_K or Q6_K,
+    q/k/v biases, an untied Q8_0 output."""
+    pull(QWEN)
+    engines = {q: engine_for(QWEN, q, num_kv_blocks=40) for q in ("gguf", "none")}
+    model = engines["gguf"].runner.model
+    kinds = {type(layer.self_attn.qkv_proj) for layer in model.layers}
+    assert kinds == {QuantizedLinear, ConcatLinear}
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.ggml_type.name == "Q8_0"
+    ids = fixed_text_ids(engines["none"], 128)
+    ours, oracle = (teacher_forced(engines[q], ids) for q in ("gguf", "none"))
+    assert (ours.argmax == oracle.argmax).double().mean().item() >= 0.9
+    assert abs(ours.perplexity / oracle.perplexity - 1) < 0.02
