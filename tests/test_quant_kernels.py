@@ -48,33 +48,48 @@ def test_dequantize_is_gguf_py(qtype):
     assert linear.weight_nbytes == blocks.nbytes
 
 
-def rounded_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x as quant_dot sees it: per block of 32, round(x / d) * d with d = max|x| / 127."""
+def int8_terms(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of 32 (last dim): codes round(x * 127 / max|x|) and scale max|x| / 127."""
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inverse), amax / 127
+
+
+def rounded_to_int8_blocks(x: torch.Tensor, residual: bool) -> torch.Tensor:
+    """x as quant_dot sees it: per block of 32, d * codes, plus d2 * codes2 of the rest."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    codes = torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks))
-    return (codes * d).reshape(x.shape)
+    codes, scale = int8_terms(blocks)
+    represented = codes * scale
+    if residual:
+        rest_codes, rest_scale = int8_terms(blocks - represented)
+        represented = represented + rest_codes * rest_scale
+    return represented.reshape(x.shape)
 
 
 @pytest.mark.skipif(not quant.integer_dots(), reason="quant_dot needs x86 with AVX2")
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_integer_dot_is_the_oracle_on_int8_rounded_activations(qtype, rows, dtype):
+@pytest.mark.parametrize("residual", [True, False], ids=["two-terms", "one-term"])
+def test_integer_dot_is_the_oracle_on_int8_rounded_activations(qtype, rows, dtype, residual):
     rng = np.random.default_rng(rows * 17 + int(qtype))
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     out_features, in_features = 29, block * (5 if block == 32 else 2)
     blocks = quantized(qtype, out_features, in_features, rng)
     x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32)).to(dtype)
     x[0, :32] = 0  # an all-zero block: scale 0
-    expected = rounded_to_int8_blocks(x) @ oracle(blocks, qtype, out_features, in_features).T
+    weight = oracle(blocks, qtype, out_features, in_features)
+    expected = rounded_to_int8_blocks(x, residual) @ weight.T
     got = native.native_ops().quant_dot(
-        x, torch.from_numpy(blocks.copy()), int(qtype), out_features, in_features
+        x, torch.from_numpy(blocks.copy()), int(qtype), out_features, in_features, residual
     )
     assert got.dtype == dtype
     scale = expected.abs().max().item()
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the result's own rounding
     torch.testing.assert_close(got.float(), expected, atol=tol * scale, rtol=tol)
+    if residual and dtype == torch.float32:  # within 1e-4 of float32 activations themselves
+        exact = x @ weight.T
+        torch.testing.assert_close(got, exact, atol=1e-4 * scale, rtol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
@@ -94,7 +109,7 @@ def test_linear_matches_dequantized_matmul(qtype, rows, dtype, tol):
     got = linear(x)
     assert got.dtype == dtype and got.shape == (rows, out_features)
     if rows <= quant.DECODE_ROWS and quant.integer_dots():
-        tol = max(tol, 2e-2)  # x rounded to int8 per block of 32: ~0.5% of the largest output
+        tol = max(tol, 2e-4)  # x in two int8 terms per block of 32: ~1e-5 of the largest output
     scale = expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=tol * scale, rtol=tol)
 
@@ -156,6 +171,6 @@ def test_real_tensors_of_every_type_in_the_file():
         expected = oracle(tensor.data, tensor.tensor_type, linear.out_features, linear.in_features)
         x = torch.randn(4, linear.in_features, generator=torch.Generator().manual_seed(1))
         if quant.integer_dots():
-            x = rounded_to_int8_blocks(x)
+            x = rounded_to_int8_blocks(x, residual=True)
         torch.testing.assert_close(linear(x), x @ expected.T, atol=1e-3, rtol=1e-3)
     assert checked == {Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q4_K}

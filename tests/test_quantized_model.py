@@ -54,8 +54,8 @@ def test_teacher_forced_argmax_and_perplexity_follow_the_float32_path(smollm2):
     ids = fixed_text_ids(smollm2["none"], 512)
     ours, oracle = (teacher_forced(smollm2[q], ids) for q in ("gguf", "none"))
     agreement = (ours.argmax == oracle.argmax).double().mean().item()
-    assert agreement >= 0.93  # int8 activations; `bench quant-accuracy` measures 2,048 tokens
-    assert abs(ours.perplexity / oracle.perplexity - 1) < 0.01
+    assert agreement >= 0.99  # the bar; `bench quant-accuracy` measures 2,048 tokens
+    assert abs(ours.perplexity / oracle.perplexity - 1) < 0.005
 
 
 def test_greedy_decode_starts_as_the_float32_path(smollm2):
@@ -79,5 +79,5 @@ def test_mixed_types_in_one_fused_projection_run_side_by_side():
     assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.ggml_type.name == "Q8_0"
     ids = fixed_text_ids(engines["none"], 128)
     ours, oracle = (teacher_forced(engines[q], ids) for q in ("gguf", "none"))
-    assert (ours.argmax == oracle.argmax).double().mean().item() >= 0.9
-    assert abs(ours.perplexity / oracle.perplexity - 1) < 0.02
+    assert (ours.argmax == oracle.argmax).double().mean().item() >= 0.98
+    assert abs(ours.perplexity / oracle.perplexity - 1) < 0.005

@@ -1,18 +1,21 @@
 // GGUF-quantized weights times activations quantized to 8 bits, in integer dot products (the
-// decode path: few rows; llama.cpp's method, written afresh).
+// decode path: few rows; llama.cpp's method, written afresh, with a second int8 term for x).
 //
 // Shapes:
 //   x:       [rows, in], float32 or bfloat16 (in a multiple of 32)
 //   weight:  [out, row_bytes] uint8, each row in / block_size blocks of the GGUF type (as in the
 //            file: ggml-common.h's block structs, little-endian, half-precision scales)
-//   returns  [rows, out] in x's dtype: y = x @ dequantize(weight)^T, x rounded to int8 per 32
+//   returns  [rows, out] in x's dtype: y = x @ dequantize(weight)^T, x rounded per block of 32
 //
 // Method. Each row of x is quantized once per call, per block of 32: xq = round(x / dx) in
-// [-127, 127], dx = max|x| / 127, with the block's lane sums dx * (xq[4i] + ... + xq[4i+3]).
-// Every weight type is read as 32 codes u per sub-block plus a scale and an offset per lane of 4
-// values, so that w = scale * u + offset (Q4_0: u in 0..15, offset -8d; Q6_K: u in 0..63, two
-// scales per 32 values; Q8_0: u = |q| with x's sign flipped where q < 0, offset 0). Then
-//   sum(w * x) over a sub-block = dx * scale . dot(u, xq) + offset . lanesum(x)
+// [-127, 127], dx = max|x| / 127; with `residual` (the default) the rest x - dx * xq is quantized
+// the same way (xr, dr), so x ~ dx * xq + dr * xr to about 1e-5 of the block's largest value
+// (one term alone: about 4e-3, enough to flip 4% of a small model's argmaxes). Lane sums are the
+// sums of 4 represented values. Every weight type is read as 32 codes u per sub-block plus a
+// scale and an offset per lane of 4 values, so that w = scale * u + offset (Q4_0: u in 0..15,
+// offset -8d; Q6_K: u in 0..63, two scales per 32 values; Q8_0: u = |q| with x's sign flipped
+// where q < 0, offset 0). Then
+//   sum(w * x) over a sub-block = scale . (dx * dot(u, xq) + dr * dot(u, xr)) + offset . lanesum(x)
 // with dot(u, xq) in one VNNI vpdpbusd (8 int32 lanes of 4 products; AVX2 without VNNI:
 // vpmaddubsw + vpmaddwd, no saturation since u <= 128). Accumulated in 8 float lanes per row of
 // x, summed once per output. Threads over output rows; the weight bytes are read once per call.
@@ -26,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -46,28 +50,45 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// x quantized per block of 32: codes, the block's scale, its 8 lane sums (times the scale)
+// x quantized per block of 32 in two terms, x ~ d * codes + d2 * residual codes (d2 <= d / 254):
+// the second term brings the activations' error near float32's (residual off: one term, as
+// llama.cpp's Q8 activations); lane sums are those of the values the codes stand for
 struct QuantizedRows {
-  std::vector<int8_t> codes;    // [rows, in]
-  std::vector<float> scales;    // [rows, in / 32]
-  std::vector<float> lane_sums; // [rows, in / 32, 8]
+  std::vector<int8_t> codes, residual_codes;  // [rows, in]
+  std::vector<float> scales, residual_scales; // [rows, in / 32]
+  std::vector<float> lane_sums;               // [rows, in / 32, 8]
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in) {
+// 32 values to codes in [-127, 127]; returns the scale
+inline float quantize_block(const float* v, int8_t* codes) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int i = 0; i < 32; ++i) codes[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+  return amax / 127.f;
+}
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, bool residual) {
   const int64_t blocks = in / 32;
-  QuantizedRows q{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
+  QuantizedRows q{std::vector<int8_t>(rows * in), std::vector<int8_t>(residual ? rows * in : 0),
+                  std::vector<float>(rows * blocks), std::vector<float>(residual ? rows * blocks : 0),
                   std::vector<float>(rows * blocks * 8)};
   for (int64_t b = 0; b < rows * blocks; ++b) {
     const float* v = x + b * 32;
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int8_t* codes = q.codes.data() + b * 32;
-    for (int i = 0; i < 32; ++i) codes[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-    q.scales[b] = d;
+    const int8_t* codes = q.codes.data() + b * 32;
+    q.scales[b] = quantize_block(v, q.codes.data() + b * 32);
+    float represented[32];
+    for (int i = 0; i < 32; ++i) represented[i] = q.scales[b] * codes[i];
+    if (residual) {
+      float rest[32];
+      for (int i = 0; i < 32; ++i) rest[i] = v[i] - represented[i];
+      int8_t* rest_codes = q.residual_codes.data() + b * 32;
+      q.residual_scales[b] = quantize_block(rest, rest_codes);
+      for (int i = 0; i < 32; ++i) represented[i] += q.residual_scales[b] * rest_codes[i];
+    }
     for (int lane = 0; lane < 8; ++lane) {
-      const int8_t* c = codes + lane * 4;
-      q.lane_sums[b * 8 + lane] = d * static_cast<float>(c[0] + c[1] + c[2] + c[3]);
+      const float* r = represented + lane * 4;
+      q.lane_sums[b * 8 + lane] = r[0] + r[1] + r[2] + r[3];
     }
   }
   return q;
@@ -246,8 +267,15 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// dot(u, x codes) per lane of 4 as floats, x's signs following q's for signed types
+inline __m256 signed_dot(const SubBlock& sub, const int8_t* codes) {
+  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  if (sub.is_signed) x = _mm256_sign_epi8(x, sub.sign_of);
+  return _mm256_cvtepi32_ps(dot_lanes(sub.codes, x));
+}
+
 // y[r * out + o] for R rows of x (starting at row r0) and one weight row o
-template <int R>
+template <int R, bool kResidual>
 void dot_rows(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRows& xq, int64_t r0,
               int64_t out, int64_t o, float* y) {
   const int64_t blocks = in / 32;
@@ -256,10 +284,11 @@ void dot_rows(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRows
   visit_row(type, wrow, in, [&](const SubBlock& sub, int64_t s) {
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (r0 + r) * blocks + s;
-      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.codes.data() + xb * 32));
-      if (sub.is_signed) x = _mm256_sign_epi8(x, sub.sign_of);
-      const __m256 dot = _mm256_cvtepi32_ps(dot_lanes(sub.codes, x));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sub.scale, _mm256_set1_ps(xq.scales[xb])), acc[r]);
+      __m256 dot = _mm256_mul_ps(signed_dot(sub, xq.codes.data() + xb * 32), _mm256_set1_ps(xq.scales[xb]));
+      if constexpr (kResidual)
+        dot = _mm256_fmadd_ps(signed_dot(sub, xq.residual_codes.data() + xb * 32),
+                              _mm256_set1_ps(xq.residual_scales[xb]), dot);
+      acc[r] = _mm256_fmadd_ps(dot, sub.scale, acc[r]);
       if (sub.has_offset)
         acc[r] = _mm256_fmadd_ps(sub.offset, _mm256_loadu_ps(xq.lane_sums.data() + xb * 8), acc[r]);
     }
@@ -267,18 +296,18 @@ void dot_rows(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRows
   for (int r = 0; r < R; ++r) y[(r0 + r) * out + o] = sum_lanes(acc[r]);
 }
 
+template <bool kResidual>
 void dot_chunk(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRows& xq, int64_t r0,
                int64_t count, int64_t out, int64_t o, float* y) {
   switch (count) {
-    case 1: return dot_rows<1>(type, wrow, in, xq, r0, out, o, y);
-    case 2: return dot_rows<2>(type, wrow, in, xq, r0, out, o, y);
-    case 3: return dot_rows<3>(type, wrow, in, xq, r0, out, o, y);
-    default: return dot_rows<4>(type, wrow, in, xq, r0, out, o, y);
+    case 1: return dot_rows<1, kResidual>(type, wrow, in, xq, r0, out, o, y);
+    case 2: return dot_rows<2, kResidual>(type, wrow, in, xq, r0, out, o, y);
+    case 3: return dot_rows<3, kResidual>(type, wrow, in, xq, r0, out, o, y);
+    default: return dot_rows<4, kResidual>(type, wrow, in, xq, r0, out, o, y);
   }
 }
 
-at::Tensor quant_dot(const at::Tensor& x, const at::Tensor& weight, int64_t type, int64_t out, int64_t in) {
-  const int64_t row_bytes = row_bytes_of(type, in);
+void check_dot_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t row_bytes, int64_t out, int64_t in) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
                   weight.numel() == out * row_bytes,
               "quant_dot: weight must be contiguous uint8 [", out, ", ", row_bytes, "]");
@@ -286,37 +315,129 @@ at::Tensor quant_dot(const at::Tensor& x, const at::Tensor& weight, int64_t type
               "quant_dot: x [rows, ", in, "], a multiple of 32");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_dot: x float32 or bfloat16");
+}
+
+at::Tensor quant_dot(const at::Tensor& x, const at::Tensor& weight, int64_t type, int64_t out, int64_t in,
+                     bool residual) {
+  const int64_t row_bytes = row_bytes_of(type, in);
+  check_dot_inputs(x, weight, row_bytes, out, in);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t rows = x.size(0);
-  const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), rows, in);
+  const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), rows, in, residual);
+  const auto chunk = residual ? dot_chunk<true> : dot_chunk<false>;
   at::Tensor y = at::empty({rows, out}, xf.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* w = weight.data_ptr<uint8_t>();
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows)
-        dot_chunk(type, w + o * row_bytes, in, xq, r0, std::min<int64_t>(kMaxRows, rows - r0), out, o, yp);
+        chunk(type, w + o * row_bytes, in, xq, r0, std::min<int64_t>(kMaxRows, rows - r0), out, o, yp);
   });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 bool quant_dot_available() { return true; }
 
+// ---- dequantize (the many-rows path: tiles of output rows for torch's matmul) ----------------
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 floats -> 16 bfloat16, round to nearest even (finite inputs)
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+
+// one sub-block's 32 weights in two vectors of 16 floats: scale * u + offset (or scale * q)
+inline void sub_weights(const SubBlock& sub, __m512 w[2]) {
+  const __m256i bytes = sub.is_signed ? sub.sign_of : sub.codes;
+  const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
+  const __m128 scales = _mm256_castps256_ps128(sub.scale), high_scales = _mm256_extractf128_ps(sub.scale, 1);
+  const __m128 offsets = _mm256_castps256_ps128(sub.offset), high_offsets = _mm256_extractf128_ps(sub.offset, 1);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ints = sub.is_signed ? _mm512_cvtepi8_epi32(halves[h]) : _mm512_cvtepu8_epi32(halves[h]);
+    w[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_broadcastss_ps(h ? high_scales : scales),
+                           _mm512_broadcastss_ps(h ? high_offsets : offsets));
+  }
+}
+
+template <typename T>
+inline void store_sub(const SubBlock& sub, T* y) {
+  __m512 w[2];
+  sub_weights(sub, w);
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_storeu_ps(y + h * 16, w[h]);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + h * 16), to_bf16(w[h]));
+    }
+  }
+}
+
+template <typename T>
+void dequantize_rows(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t out, int64_t in, T* y) {
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      visit_row(type, w + o * row_bytes, in, [&](const SubBlock& sub, int64_t s) { store_sub(sub, y + o * in + s * 32); });
+  });
+}
+
+// [out, in] in `dtype` (float32 or bfloat16)
+at::Tensor quant_dequantize_as(const at::Tensor& weight, int64_t type, int64_t out, int64_t in,
+                               at::ScalarType dtype) {
+  const int64_t row_bytes = row_bytes_of(type, in);
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.numel() == out * row_bytes,
+              "quant_dequantize_as: weight must be contiguous uint8 [", out, ", ", row_bytes, "]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize_as: float32 or bfloat16");
+  at::Tensor y = at::empty({out, in}, weight.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    dequantize_rows(type, weight.data_ptr<uint8_t>(), row_bytes, out, in, y.data_ptr<float>());
+  } else {
+    dequantize_rows(type, weight.data_ptr<uint8_t>(), row_bytes, out, in,
+                    reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  }
+  return y;
+}
+
+bool quant_dequantize_as_available() { return true; }
+#else
+at::Tensor quant_dequantize_as(const at::Tensor&, int64_t, int64_t, int64_t, at::ScalarType) {
+  TORCH_CHECK(false, "quant_dequantize_as: built without AVX-512");
+}
+bool quant_dequantize_as_available() { return false; }
+#endif
+
 #else  // no AVX2: quant_matmul's float kernel serves every row count
 
-at::Tensor quant_dot(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t) {
+at::Tensor quant_dot(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, bool) {
   TORCH_CHECK(false, "quant_dot: built without AVX2");
 }
 
 bool quant_dot_available() { return false; }
+
+at::Tensor quant_dequantize_as(const at::Tensor&, int64_t, int64_t, int64_t, at::ScalarType) {
+  TORCH_CHECK(false, "quant_dequantize_as: built without AVX-512");
+}
+bool quant_dequantize_as_available() { return false; }
+
 
 #endif
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
-  m.def("quant_dot(Tensor x, Tensor weight, int ggml_type, int out_features, int in_features) -> Tensor");
+  m.def("quant_dot(Tensor x, Tensor weight, int ggml_type, int out_features, int in_features, bool residual=True) -> Tensor");
   m.impl("quant_dot", c10::DispatchKey::CPU, &quant_dot);
   m.def("quant_dot_available() -> bool");
   m.impl("quant_dot_available", &quant_dot_available);
+  m.def("quant_dequantize_as(Tensor weight, int ggml_type, int out_features, int in_features, ScalarType dtype) -> Tensor");
+  m.impl("quant_dequantize_as", c10::DispatchKey::CPU, &quant_dequantize_as);
+  m.def("quant_dequantize_as_available() -> bool");
+  m.impl("quant_dequantize_as_available", &quant_dequantize_as_available);
 }

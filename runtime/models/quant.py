@@ -2,8 +2,9 @@
 
 The raw blocks stay a uint8 tensor [out_features, row_bytes] (a view of the file's memory map where
 the caller passes one). On CPU with the native kernels built (kernels/native.py) a few rows run
-kernels/cpu/quant_matmul.cpp, which reads each weight byte once; many rows (prefill) dequantize
-tiles of output rows and run torch's blocked matmul on them. Elsewhere, and for types without a
+kernels/cpu/quant_dot.cpp (integer dots, x86) or quant_matmul.cpp (float), which read each weight
+byte once; many rows (prefill) dequantize tiles of output rows and run torch's blocked matmul on
+them. Elsewhere, and for types without a
 kernel, the weight is dequantized with gguf-py (the oracle) and F.linear runs.
 """
 
@@ -28,8 +29,8 @@ log = logging.getLogger(__name__)
 Q = gguf.GGMLQuantizationType
 NATIVE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
-DECODE_ROWS = 16  # at most this many rows run the fused kernel; more dequantize tiles
-TILE_VALUES = 1 << 22  # dequantized floats per prefill tile (16 MiB)
+DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel; more dequantize tiles
+TILE_VALUES = 1 << 20  # dequantized values per tile (2 MiB in bfloat16: stays in L2)
 _logged_slow_types: set[Q] = set()
 
 
@@ -61,10 +62,19 @@ class QuantizedTensor:
 
 @functools.cache
 def integer_dots() -> bool:
-    """Activations quantized to int8 and integer dot products (kernels/cpu/quant_dot.cpp, x86
-    with AVX2 at least); else the float kernel (quant_matmul.cpp)."""
+    """Activations quantized to int8 in two terms (x ~ d * q + d2 * q2: near float32's error) and
+    integer dot products (kernels/cpu/quant_dot.cpp, x86 with AVX2 at least); else the float
+    kernel (quant_matmul.cpp)."""
     ops = native_ops()
     return ops is not None and ops.quant_dot_available()
+
+
+@functools.cache
+def vector_dequantize() -> bool:
+    """AVX-512 dequantization straight into float32 or bfloat16 (quant_dot.cpp's unpacking);
+    else quant_matmul.cpp's float32 one, then a cast."""
+    ops = native_ops()
+    return ops is not None and ops.quant_dequantize_as_available()
 
 
 class QuantizedSpec(NamedTuple):
@@ -114,9 +124,9 @@ class QuantizedWeight(nn.Module):
             return None
         return native_ops()
 
-    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
-        """float32 [len(rows), in_features] of the given output rows (all by default)."""
-        return _dequantize_blocks(self, self.blocks[rows])
+    def dequantize(self, rows: slice = slice(None), dtype=torch.float32) -> torch.Tensor:
+        """[len(rows), in_features] in dtype of the given output rows (all by default)."""
+        return _dequantize_blocks(self, self.blocks[rows], dtype)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, in_features] -> [n, out_features] in rows' dtype."""
@@ -130,7 +140,7 @@ class QuantizedWeight(nn.Module):
         tile = max(1, TILE_VALUES // self.in_features)
         for start in range(0, self.out_features, tile):
             part = slice(start, min(start + tile, self.out_features))
-            y[:, part] = F.linear(rows, self.dequantize(part).to(rows.dtype))
+            y[:, part] = F.linear(rows, self.dequantize(part, rows.dtype))
         return y
 
     @classmethod
@@ -230,25 +240,28 @@ class QuantizedEmbedding(QuantizedWeight):
             raise IndexError(f"token id out of range [0, {self.out_features})")
         unique, inverse = torch.unique(flat, return_inverse=True)
         picked = self.blocks.index_select(0, unique.to(self.blocks.device))
-        values = _dequantize_blocks(self, picked).to(self.dtype)
+        values = _dequantize_blocks(self, picked, self.dtype)
         return values[inverse].reshape(*ids.shape, self.in_features)
 
     def load_part(self, part: int, tensor: QuantizedTensor) -> None:
         self.load_rows(0, tensor.blocks)
 
 
-def _dequantize_blocks(weight: QuantizedWeight, picked: torch.Tensor) -> torch.Tensor:
-    """float32 [len(picked), in_features] of picked rows of weight's blocks."""
+def _dequantize_blocks(
+    weight: QuantizedWeight, picked: torch.Tensor, dtype=torch.float32
+) -> torch.Tensor:
+    """[len(picked), in_features] in dtype of picked rows of weight's blocks."""
     ops = weight._native()
+    shape = (int(weight.ggml_type), picked.shape[0], weight.in_features)
+    if ops is not None and dtype in (torch.float32, torch.bfloat16) and vector_dequantize():
+        return ops.quant_dequantize_as(picked, *shape, dtype)
     if ops is not None:
-        return ops.quant_dequantize(
-            picked, int(weight.ggml_type), picked.shape[0], weight.in_features
-        )
+        return ops.quant_dequantize(picked, *shape).to(dtype)
     if weight.ggml_type not in NATIVE_TYPES and weight.ggml_type not in _logged_slow_types:
         _logged_slow_types.add(weight.ggml_type)
         log.info("no quantized kernel for %s: dequantized with gguf-py", weight.ggml_type.name)
     values = gguf.quants.dequantize(picked.cpu().numpy(), weight.ggml_type)
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(picked.device)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(picked.device, dtype)
 
 
 # byte offsets of the float16 fields in each block (ggml-common.h); the rest may be any bits
