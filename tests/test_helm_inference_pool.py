@@ -27,6 +27,7 @@ from test_helm import (  # noqa: F401 (helm: the fixture)
     MINIMAL,
     NAMESPACE,
     SCHEMA_ERROR,
+    SERVER_SETTINGS,
     find,
     helm,
     one,
@@ -142,7 +143,9 @@ def test_objectives_mean_the_same_priority_to_the_picker_and_to_conveyor(helm: P
     for objective in objectives.values():
         assert objective["apiVersion"] == "llm-d.ai/v1alpha2"
         assert objective["spec"]["poolRef"]["name"] == FULLNAME
-    setting = one(docs, "ConfigMap", FULLNAME)["data"]["CONVEYOR_INFERENCE_OBJECTIVES"]
+    data = one(docs, "ConfigMap", FULLNAME)["data"]
+    assert set(data) <= SERVER_SETTINGS and "inference_objectives" in ServeSettings.model_fields
+    setting = data["CONVEYOR_INFERENCE_OBJECTIVES"]
     conveyor = ServeSettings(inference_objectives=setting).inference_objectives
     assert conveyor == {"critical": 0, "standard": 1, "sheddable": 2}
     picker = {name: d["spec"]["priority"] for name, d in objectives.items()}
