@@ -7,6 +7,7 @@ takes first (`EngineClient.snapshot`, copied on the engine thread between two st
     conveyor:num_requests_running / _waiting / _swapped        gauges
     conveyor:num_requests_waiting_by_priority{priority}        gauge (the Helm dashboard)
     conveyor:kv_cache_usage_perc, cpu_kv_cache_usage_perc      gauges, fractions 0..1
+    conveyor:cache_config_info{block_size,num_gpu_blocks}      info gauge (1), vLLM's shape
     conveyor:prefix_cache_queries_total, _hits_total           counters (tokens)
     conveyor:num_preemptions_total{mode}                       counter (swap | recompute)
     conveyor:prompt_tokens_total, generation_tokens_total      counters
@@ -139,9 +140,12 @@ class Metrics:
     def observe_refused(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(tenant, reason).inc()
 
-    def render(self, snapshot: EngineSnapshot | None = None) -> bytes:
+    def render(
+        self, snapshot: EngineSnapshot | None = None, block_size: int | None = None
+    ) -> bytes:
         """The exposition text; engine series only with a snapshot (none before the model)."""
         self.engine_collector.snapshot = snapshot
+        self.engine_collector.block_size = block_size
         return prometheus_client.generate_latest(self.registry)
 
 
@@ -170,6 +174,7 @@ class EngineCollector:
 
     def __init__(self) -> None:
         self.snapshot: EngineSnapshot | None = None
+        self.block_size: int | None = None  # tokens per KV block, for cache_config_info
         self.priorities_seen: set[int] = set()  # report 0, not nothing, once a level has gone
 
     def describe(self):
@@ -189,6 +194,8 @@ class EngineCollector:
         yield self.waiting_by_priority(snapshot.waiting)
         yield gauge("kv_cache_usage_perc", "GPU KV cache usage (0..1).", snapshot.gpu_kv_usage)
         yield gauge("cpu_kv_cache_usage_perc", "CPU swap pool usage (0..1).", snapshot.cpu_kv_usage)
+        if self.block_size is not None:
+            yield cache_config_info(self.block_size, snapshot.num_gpu_blocks)
         yield counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
             snapshot.num_prefix_queries,
@@ -216,6 +223,18 @@ class EngineCollector:
         for priority in sorted(self.priorities_seen):
             family.add_metric([str(priority)], counts.get(priority, 0))
         return family
+
+
+def cache_config_info(block_size: int, num_gpu_blocks: int) -> GaugeMetricFamily:
+    """The KV cache's shape in labels, as vLLM's `cache_config_info` (the endpoint picker reads
+    `block_size` and `num_gpu_blocks` from it)."""
+    family = GaugeMetricFamily(
+        PREFIX + "cache_config_info",
+        "KV cache configuration (value 1; the facts are the labels).",
+        labels=["block_size", "num_gpu_blocks"],
+    )
+    family.add_metric([str(block_size), str(num_gpu_blocks)], 1)
+    return family
 
 
 def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

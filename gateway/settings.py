@@ -69,6 +69,25 @@ class ServeSettings(EngineConfig, BaseSettings):
         None, gt=0, description="prune audit records older than this (default: keep them all)"
     )
 
+    # ---- the Kubernetes Inference Gateway ------------------------------------------------------
+    inference_objectives: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict,
+        description="InferenceObjective names and the priorities they run at, as"
+        " name=priority,... (x-llm-d-inference-objective); default: none",
+        json_schema_extra={"metavar": "NAME=PRIORITY,..."},
+    )
+
+    @field_validator("inference_objectives", mode="before")
+    @classmethod
+    def parse_objectives(cls, value: object) -> object:
+        """`critical=0,standard=1,sheddable=2` (the chart writes this form), or a mapping."""
+        if not isinstance(value, str):
+            return value
+        pairs = [item.partition("=") for item in value.split(",") if item.strip()]
+        if any(not sep or not name.strip() for name, sep, _ in pairs):
+            raise ValueError("inference objectives are name=priority pairs, comma-separated")
+        return {name.strip(): priority.strip() for name, _, priority in pairs}
+
     @field_validator("admin_tokens", mode="before")
     @classmethod
     def split_comma_list(cls, value: object) -> object:

@@ -54,7 +54,7 @@ def add_flag(group, name: str, info: FieldInfo, defaults: bool) -> None:
         kind = type(choices[0])
     if extra.get("lowercase"):
         kind = str.lower
-    elif typing.get_origin(kind) is list:
+    elif typing.get_origin(kind) in (list, dict):
         kind = str  # one value per flag word (nargs) or a comma-separated list, split by the model
     if "nargs" in extra:
         options["nargs"] = extra["nargs"]

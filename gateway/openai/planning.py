@@ -18,6 +18,7 @@ from gateway.appkeys import (
     PRINCIPAL,
     RECEIVED,
     REQUEST_ID,
+    SETTINGS,
     Principal,
 )
 from gateway.audit.ids import sequence_id
@@ -25,6 +26,7 @@ from gateway.errors import (
     bad_request,
     model_not_found,
 )
+from gateway.openai.inference_gateway import requested_priority
 from gateway.openai.schemas import (
     MAX_PROMPTS,
     ChatCompletionRequest,
@@ -162,6 +164,8 @@ async def make_plan(
 ) -> Plan:
     """choice: the chat body's tool_choice, decided once (None for completions)."""
     principal = request[PRINCIPAL]
+    objectives = request.app[SETTINGS].inference_objectives
+    requested = requested_priority(request, body.priority, objectives, principal.tenant)
     spec, source = grammar_spec(body, choice) or (None, None)
     params = [
         sampling_params(body, max_tokens[choice // body.n], logprobs, choice % body.n, spec)
@@ -177,8 +181,8 @@ async def make_plan(
         prompts=prompts,
         params=params,
         n=body.n,
-        requested_priority=body.priority,
-        priority=effective_priority(body.priority, principal.tenant),
+        requested_priority=requested,
+        priority=effective_priority(requested, principal.tenant),
         received_at=received_at,
         received_mono=received_mono,
         grammar=grammar,

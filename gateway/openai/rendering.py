@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from gateway.audit.ids import CHAT_COMPLETION_ID_PREFIX, COMPLETION_ID_PREFIX
+from gateway.openai.inference_gateway import fairness_headers
 from gateway.openai.planning import Plan
 from gateway.openai.responses import (
     AssistantMessage,
@@ -253,7 +254,7 @@ def sse(data: BaseModel | str) -> bytes:
 def response_headers(tracker: Tracker) -> dict[str, str]:
     headers = tracker.admission.headers()
     headers["x-conveyor-priority"] = str(tracker.plan.priority)
-    return headers
+    return {**headers, **fairness_headers(tracker.plan.principal.tenant)}
 
 
 def stream_error_body() -> ErrorBody:

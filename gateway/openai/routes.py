@@ -28,6 +28,7 @@ from gateway.appkeys import (
 from gateway.audit.records import auditing_invalid_requests
 from gateway.audit.routes import REQUEST_ID_SCHEMA, RequestDetailOut, own_request
 from gateway.openai.generation import generate
+from gateway.openai.inference_gateway import FAIRNESS_ID_HEADER
 from gateway.openai.planning import Plan, check_model, plan_chat, plan_completion
 from gateway.openai.rendering import (
     SSE_HEADERS,
@@ -85,9 +86,22 @@ OWN_REQUEST_LINK = {
     }
 }
 NOT_FOUND = {404: "the model (or the request) does not exist"}
-GENERATES = {**KEY_ERRORS, **NOT_FOUND, **RATE_LIMIT_ERRORS, **DRAINING_ERRORS}
+GATEWAY_HEADER_ERRORS = {
+    403: "x-llm-d-inference-fairness-id names another tenant, or x-llm-d-inference-objective "
+    "runs above the tenant's max_priority"
+}
+GENERATES = {
+    **KEY_ERRORS,
+    **GATEWAY_HEADER_ERRORS,
+    **NOT_FOUND,
+    **RATE_LIMIT_ERRORS,
+    **DRAINING_ERRORS,
+}
 COUNTED = {**KEY_ERRORS, **RATE_LIMIT_ERRORS, 503: "the key store is unreachable"}
-PRIORITY_HEADER = {"x-conveyor-priority": header("the priority it ran at", "integer")}
+PRIORITY_HEADER = {
+    "x-conveyor-priority": header("the priority it ran at", "integer"),
+    FAIRNESS_ID_HEADER: header("the fairness id it was counted under: the tenant's name"),
+}
 
 
 def openai_routes() -> list[Route]:

@@ -239,3 +239,41 @@ capabilities:
 {{ include "conveyor.selectorLabels" . }}
 app.kubernetes.io/component: gateway
 {{- end }}
+
+{{/* ---- the Kubernetes Inference Gateway (inferenceGateway) ---- */}}
+{{- define "conveyor.inferencePoolName" -}}
+{{- .Values.inferenceGateway.poolName | default (include "conveyor.fullname" .) }}
+{{- end }}
+
+{{/* An objective's priority for the endpoint picker: higher is more urgent there. */}}
+{{- define "conveyor.pickerPriority" -}}
+{{- if hasKey . "pickerPriority" }}{{ .pickerPriority | int64 }}{{ else }}{{ mul -1 (.priority | int64) }}{{ end }}
+{{- end }}
+
+{{/* CONVEYOR_INFERENCE_OBJECTIVES: name=priority,... */}}
+{{- define "conveyor.inferenceObjectives" -}}
+{{- $pairs := list }}
+{{- range .Values.inferenceGateway.objectives }}
+{{- $pairs = append $pairs (printf "%s=%d" .name (.priority | int64)) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
+{{/* Fails unless names are unique and Conveyor and the picker order the objectives alike. */}}
+{{- define "conveyor.checkObjectives" -}}
+{{- $objectives := .Values.inferenceGateway.objectives }}
+{{- $names := dict }}
+{{- range $a := $objectives }}
+{{- if hasKey $names $a.name }}
+{{- fail (printf "inferenceGateway.objectives: %s appears twice" $a.name) }}
+{{- end }}
+{{- $_ := set $names $a.name true }}
+{{- range $b := $objectives }}
+{{- $pa := include "conveyor.pickerPriority" $a | int64 }}
+{{- $pb := include "conveyor.pickerPriority" $b | int64 }}
+{{- if and (lt ($a.priority | int64) ($b.priority | int64)) (lt $pa $pb) }}
+{{- fail (printf "inferenceGateway.objectives: %s is more urgent than %s for Conveyor (priority %d < %d) but less urgent for the picker (pickerPriority %d < %d)" $a.name $b.name ($a.priority | int64) ($b.priority | int64) $pa $pb) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
