@@ -56,8 +56,10 @@ class EngineConfig(BaseModel):
     )
     kv_cache_memory: str = Field(
         "2GiB",
-        pattern=r"^[0-9]+(\.[0-9]+)?\s*([KMGT]i?B?|[kmgt]i?b?)?$",
-        description="bytes or e.g. 2GiB",
+        pattern=r"^([0-9]+(\.[0-9]+)?\s*([KMGT]i?B?|[kmgt]i?b?)?|auto)$",
+        description="bytes or e.g. 2GiB; auto: a share of the memory left once the weights are "
+        "loaded (0.9 of the GPU's free memory, 0.5 of the CPU's available memory less the swap "
+        "pool), no more than max-num-seqs sequences of max-model-len tokens",
     )
     swap_space: float = Field(1.0, ge=0, description="GiB of CPU swap pool")
     max_num_seqs: int = Field(256, ge=1, description="running sequences at most")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,47 @@ def parse_bytes(value: str | int | float) -> int:
         raise ValueError(f"cannot read a size from {value!r} (examples: 2GiB, 512MiB, 1000000)")
     number, unit = float(match.group(1)), match.group(2).lower()
     return parse_bytes(number) if unit == "" else int(number * _UNITS[unit])
+
+
+AUTO = "auto"
+# shares of the memory left after the weights are loaded that `--kv-cache-memory auto` takes: the
+# GPU keeps room for activations and CUDA graphs; the CPU for activations, the swap pool, the
+# gateway and whatever else runs on the machine
+AUTO_SHARE = {"cuda": 0.9, "cpu": 0.5}
+
+
+def memory_left(device: torch.device) -> int:
+    """Bytes free now on `device`: the GPU's free memory; on CPU the kernel's MemAvailable, or the
+    cgroup's limit less its usage where that is smaller (a container)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    left = _meminfo_available()
+    cgroup = _cgroup_left()
+    return left if cgroup is None else min(left, cgroup)
+
+
+def _meminfo_available() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def _cgroup_left() -> int | None:
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except OSError:
+        return None
+    return None if limit == "max" else max(0, int(limit) - used)
+
+
+def auto_kv_bytes(device: torch.device, swap_bytes: int) -> int:
+    """`--kv-cache-memory auto`: a share of the memory left (the swap pool comes out of it on
+    CPU, where both live in the same memory)."""
+    left = memory_left(device) - (swap_bytes if device.type == "cpu" else 0)
+    return int(max(0, left) * AUTO_SHARE[device.type])
 
 
 class KVCache:

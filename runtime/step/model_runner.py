@@ -3,6 +3,7 @@ forward pass, sample. Makes no scheduling decisions."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,11 @@ from runtime.step.inputs import (
     device_step,
     prepare_host_step,
 )
-from runtime.step.kv_cache import KVCache, parse_bytes
+from runtime.step.kv_cache import AUTO, KVCache, auto_kv_bytes, parse_bytes
 from scheduler.output import SchedulerOutput, new_row
 from scheduler.request import Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,12 +104,24 @@ class ModelRunner:
             mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
         )
 
+    def _blocks_in_memory(self, config: EngineConfig) -> int:
+        if config.kv_cache_memory != AUTO:
+            return parse_bytes(config.kv_cache_memory) // self.bytes_per_block
+        swap_bytes = int(config.swap_space * 2**30)
+        num_blocks = auto_kv_bytes(self.device, swap_bytes) // self.bytes_per_block
+        max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        most_usable = config.max_num_seqs * -(-max_model_len // self.block_size)
+        num_blocks = min(num_blocks, most_usable)
+        log.info(
+            "KV cache: %d blocks (%.2f GiB) from the memory left on %s",
+            num_blocks, num_blocks * self.bytes_per_block / 2**30, self.device,
+        )  # fmt: skip
+        return num_blocks
+
     def _allocate_kv_cache(self, config: EngineConfig) -> KVCache:
         mc = self.model_config
-        num_blocks = (
-            config.num_kv_blocks or parse_bytes(config.kv_cache_memory) // self.bytes_per_block
-        )
         num_cpu_blocks = int(config.swap_space * 2**30) // self.bytes_per_block
+        num_blocks = config.num_kv_blocks or self._blocks_in_memory(config)
         if num_blocks < 1:
             raise ValueError("the KV cache must hold at least one block")
         return KVCache(
