@@ -102,6 +102,11 @@ def serving_report(result: dict[str, Any], percentiles: list[float]) -> str:
         line("Output token throughput (tok/s)", result["output_throughput"]),
         line("Total Token throughput (tok/s)", result["total_token_throughput"]),
     ]
+    if result.get("weight_read_gb_s") is not None:
+        lines.append(line("Weight bytes per token", result["weight_bytes_per_token"]))
+        lines.append(line("Weight read at median TPOT (GB/s)", result["weight_read_gb_s"]))
+    if result.get("share_of_copy_bandwidth") is not None:
+        lines.append(line("Share of local copy bandwidth", result["share_of_copy_bandwidth"]))
     for name, title, short in METRICS:
         lines.append(heading(title))
         lines.append(line(f"Mean {short} (ms)", result[f"mean_{name}_ms"]))

@@ -8,6 +8,7 @@ takes first (`EngineClient.snapshot`, copied on the engine thread between two st
     conveyor:num_requests_waiting_by_priority{priority}        gauge (the Helm dashboard)
     conveyor:kv_cache_usage_perc, cpu_kv_cache_usage_perc      gauges, fractions 0..1
     conveyor:cache_config_info{block_size,num_gpu_blocks}      info gauge (1), vLLM's shape
+    conveyor:model_weight_bytes_per_token                      gauge (bytes a decode step reads)
     conveyor:prefix_cache_queries_total, _hits_total           counters (tokens)
     conveyor:num_preemptions_total{mode}                       counter (swap | recompute)
     conveyor:prompt_tokens_total, generation_tokens_total      counters
@@ -29,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from runtime.engine_client import EngineSnapshot
+    from runtime.engine_client import EngineInfo, EngineSnapshot
 
 prometheus_client.disable_created_metrics()  # no `_created` series, as vLLM
 
@@ -140,12 +141,10 @@ class Metrics:
     def observe_refused(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(tenant, reason).inc()
 
-    def render(
-        self, snapshot: EngineSnapshot | None = None, block_size: int | None = None
-    ) -> bytes:
+    def render(self, snapshot: EngineSnapshot | None = None, info: EngineInfo | None = None) -> bytes:
         """The exposition text; engine series only with a snapshot (none before the model)."""
         self.engine_collector.snapshot = snapshot
-        self.engine_collector.block_size = block_size
+        self.engine_collector.info = info
         return prometheus_client.generate_latest(self.registry)
 
 
@@ -174,7 +173,7 @@ class EngineCollector:
 
     def __init__(self) -> None:
         self.snapshot: EngineSnapshot | None = None
-        self.block_size: int | None = None  # tokens per KV block, for cache_config_info
+        self.info: EngineInfo | None = None  # the model's fixed facts
         self.priorities_seen: set[int] = set()  # report 0, not nothing, once a level has gone
 
     def describe(self):
@@ -194,8 +193,13 @@ class EngineCollector:
         yield self.waiting_by_priority(snapshot.waiting)
         yield gauge("kv_cache_usage_perc", "GPU KV cache usage (0..1).", snapshot.gpu_kv_usage)
         yield gauge("cpu_kv_cache_usage_perc", "CPU swap pool usage (0..1).", snapshot.cpu_kv_usage)
-        if self.block_size is not None:
-            yield cache_config_info(self.block_size, snapshot.num_gpu_blocks)
+        if self.info is not None:
+            yield cache_config_info(self.info.block_size, snapshot.num_gpu_blocks)
+            yield gauge(
+                "model_weight_bytes_per_token",
+                "Weight bytes one decode step reads (quantized blocks as kept in memory).",
+                self.info.weight_bytes_per_token,
+            )
         yield counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
             snapshot.num_prefix_queries,

@@ -23,14 +23,8 @@ def install(app: web.Application) -> None:
 async def metrics_handler(request: web.Request) -> web.Response:
     client = request.app.get(ENGINE_CLIENT)
     snapshot = None if client is None else await client.snapshot()
-    body = request.app[METRICS].render(snapshot, block_size_of(client, snapshot))
+    body = request.app[METRICS].render(snapshot, None if client is None else client.info)
     return web.Response(body=body, headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
-
-
-def block_size_of(client, snapshot) -> int | None:
-    if snapshot is None or not snapshot.num_gpu_blocks:
-        return None
-    return client.info.kv_capacity_tokens // snapshot.num_gpu_blocks
 
 
 async def step_rate_ctx(app: web.Application) -> AsyncIterator[None]:

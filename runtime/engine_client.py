@@ -49,6 +49,8 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     kv_capacity_tokens: int  # the whole device KV cache: a longer prompt can never run
+    block_size: int = 16  # tokens per KV block
+    weight_bytes_per_token: int = 0  # weight bytes one decode step reads (GGUF blocks as kept)
 
     @property
     def model_name(self) -> str:
@@ -64,6 +66,8 @@ class EngineInfo:
             max_model_len=engine.max_model_len,
             vocab_size=engine.tokenizer.vocab_size,
             kv_capacity_tokens=blocks.num_gpu_blocks * blocks.block_size,
+            block_size=blocks.block_size,
+            weight_bytes_per_token=engine.runner.model.weight_bytes_per_token(),
         )
 
 

@@ -144,6 +144,8 @@ def test_bench_serve_streams_completions(tiny_server, bench_key, capsys, tmp_pat
     assert result["successful"] == result["num_prompts"] == 5 and result["failed"] == 0
     assert result["output_lens"] == [4] * 5 and result["total_input_tokens"] == 40
     assert result["model_id"] == tiny_server.args[1].rsplit("/", 1)[-1]
+    assert result["weight_bytes_per_token"] > 0  # scraped from the server's /metrics
+    assert result["weight_read_gb_s"] > 0 and result["share_of_copy_bandwidth"] > 0
     assert 0 < result["median_ttft_ms"] <= result["median_e2el_ms"]
 
 

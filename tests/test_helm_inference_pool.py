@@ -39,6 +39,7 @@ from test_metrics import fake_snapshot
 
 from gateway.metrics import Metrics
 from gateway.settings import ServeSettings
+from runtime.engine_client import EngineInfo
 
 SCHEMAS = Path(__file__).resolve().parent / "assets" / "crd-schemas"
 EPP = "router-epp"
@@ -191,12 +192,13 @@ def test_the_engine_config_names_metrics_conveyor_serves(helm: Path):
         "kvUsageSpec": "conveyor:kv_cache_usage_perc",
         "cacheInfoSpec": "conveyor:cache_config_info",
     }
-    text = Metrics().render(fake_snapshot(waiting=[0]), block_size=16).decode()
+    info = EngineInfo(("m",), 256, 100, 16 * 16, block_size=16, weight_bytes_per_token=1000)
+    text = Metrics().render(fake_snapshot(waiting=[0]), info).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec"):
         assert families[engine[key]].type == "gauge", key
-    (info,) = families["conveyor:cache_config_info"].samples
-    assert info.labels == {"block_size": "16", "num_gpu_blocks": "16"}
+    (cache_info,) = families["conveyor:cache_config_info"].samples
+    assert cache_info.labels == {"block_size": "16", "num_gpu_blocks": "16"}
 
 
 # ---- refusals -----------------------------------------------------------------------------------
