@@ -48,21 +48,21 @@ def test_dequantize_is_gguf_py(qtype):
     assert linear.weight_nbytes == blocks.nbytes
 
 
-def int8_terms(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block of 32 (last dim): codes round(x * 127 / max|x|) and scale max|x| / 127."""
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return torch.round(blocks * inverse), amax / 127
+def int8_codes(blocks: torch.Tensor, inverse_step: torch.Tensor) -> torch.Tensor:
+    return torch.round(blocks * inverse_step).clamp(-127, 127)
 
 
 def rounded_to_int8_blocks(x: torch.Tensor, residual: bool) -> torch.Tensor:
-    """x as quant_dot sees it: per block of 32, d * codes, plus d2 * codes2 of the rest."""
+    """x as quant_dot sees it, per block of 32: d * codes with d = max|x| / 127, plus
+    d / 256 * codes of the rest."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
-    codes, scale = int8_terms(blocks)
-    represented = codes * scale
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    step = amax / 127
+    represented = int8_codes(blocks, inverse) * step
     if residual:
-        rest_codes, rest_scale = int8_terms(blocks - represented)
-        represented = represented + rest_codes * rest_scale
+        rest = int8_codes(blocks - represented, inverse * 256)
+        represented = represented + rest * (step / 256)
     return represented.reshape(x.shape)
 
 

@@ -9,13 +9,13 @@
 //
 // Method. Each row of x is quantized once per call, per block of 32: xq = round(x / dx) in
 // [-127, 127], dx = max|x| / 127; with `residual` (the default) the rest x - dx * xq is quantized
-// the same way (xr, dr), so x ~ dx * xq + dr * xr to about 1e-5 of the block's largest value
-// (one term alone: about 4e-3, enough to flip 4% of a small model's argmaxes). Lane sums are the
-// sums of 4 represented values. Every weight type is read as 32 codes u per sub-block plus a
-// scale and an offset per lane of 4 values, so that w = scale * u + offset (Q4_0: u in 0..15,
-// offset -8d; Q6_K: u in 0..63, two scales per 32 values; Q8_0: u = |q| with x's sign flipped
-// where q < 0, offset 0). Then
-//   sum(w * x) over a sub-block = scale . (dx * dot(u, xq) + dr * dot(u, xr)) + offset . lanesum(x)
+// with the step dx / 256 (xr, clamped to [-127, 127]), so x ~ dx * xq + dx / 256 * xr to about
+// 1e-5 of the block's largest value (one term alone: about 4e-3, enough to flip 4% of a small
+// model's argmaxes). Lane sums are the sums of 4 represented values. Every weight type is read
+// as 32 codes u per sub-block plus a scale and an offset per lane of 4 values, so that
+// w = scale * u + offset (Q4_0: u in 0..15, offset -8d; Q6_K: u in 0..63, two scales per 32
+// values; Q8_0: u = |q| with x's sign flipped where q < 0, offset 0). Then
+//   sum(w * x) over a sub-block = scale . dx / 256 * (256 dot(u, xq) + dot(u, xr)) + offset . lanesum(x)
 // with dot(u, xq) in one VNNI vpdpbusd (8 int32 lanes of 4 products; AVX2 without VNNI:
 // vpmaddubsw + vpmaddwd, no saturation since u <= 128). Accumulated in 8 float lanes per row of
 // x, summed once per output. Threads over output rows; the weight bytes are read once per call.
@@ -26,6 +26,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -50,12 +51,14 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// x quantized per block of 32 in two terms, x ~ d * codes + d2 * residual codes (d2 <= d / 254):
-// the second term brings the activations' error near float32's (residual off: one term, as
-// llama.cpp's Q8 activations); lane sums are those of the values the codes stand for
+// x quantized per block of 32 in two terms, x ~ d * codes + d / 256 * residual codes: the second
+// term brings the activations' error near float32's (residual off: one term, as llama.cpp's Q8
+// activations). The step of the second term is a power of two below the first's, so that both
+// dot products sum in one integer, 256 * dot(u, codes) + dot(u, residual codes) (below 2^24:
+// exact in float32). Lane sums are those of the values the codes stand for.
 struct QuantizedRows {
   std::vector<int8_t> codes, residual_codes;  // [rows, in]
-  std::vector<float> scales, residual_scales; // [rows, in / 32]
+  std::vector<float> dot_scales;              // [rows, in / 32]: d, or d / 256 with residual
   std::vector<float> lane_sums;               // [rows, in / 32, 8]
 };
 
@@ -71,20 +74,23 @@ inline float quantize_block(const float* v, int8_t* codes) {
 QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, bool residual) {
   const int64_t blocks = in / 32;
   QuantizedRows q{std::vector<int8_t>(rows * in), std::vector<int8_t>(residual ? rows * in : 0),
-                  std::vector<float>(rows * blocks), std::vector<float>(residual ? rows * blocks : 0),
-                  std::vector<float>(rows * blocks * 8)};
+                  std::vector<float>(rows * blocks), std::vector<float>(rows * blocks * 8)};
   for (int64_t b = 0; b < rows * blocks; ++b) {
     const float* v = x + b * 32;
     const int8_t* codes = q.codes.data() + b * 32;
-    q.scales[b] = quantize_block(v, q.codes.data() + b * 32);
+    const float d = quantize_block(v, q.codes.data() + b * 32);
     float represented[32];
-    for (int i = 0; i < 32; ++i) represented[i] = q.scales[b] * codes[i];
+    for (int i = 0; i < 32; ++i) represented[i] = d * codes[i];
+    q.dot_scales[b] = d;
     if (residual) {
-      float rest[32];
-      for (int i = 0; i < 32; ++i) rest[i] = v[i] - represented[i];
+      const float step = d / 256.f, inverse = d > 0.f ? 256.f / d : 0.f;
       int8_t* rest_codes = q.residual_codes.data() + b * 32;
-      q.residual_scales[b] = quantize_block(rest, rest_codes);
-      for (int i = 0; i < 32; ++i) represented[i] += q.residual_scales[b] * rest_codes[i];
+      for (int i = 0; i < 32; ++i) {
+        const float code = std::nearbyint((v[i] - represented[i]) * inverse);  // |code| <= 128
+        rest_codes[i] = static_cast<int8_t>(std::clamp(code, -127.f, 127.f));
+        represented[i] += step * rest_codes[i];
+      }
+      q.dot_scales[b] = step;
     }
     for (int lane = 0; lane < 8; ++lane) {
       const float* r = represented + lane * 4;
@@ -94,14 +100,14 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, bool resid
   return q;
 }
 
-// 8 int32 lanes, lane i = sum of u[4i..4i+3] * x[4i..4i+3]; u unsigned, x signed
-inline __m256i dot_lanes(__m256i u, __m256i x) {
+// acc + 8 int32 lanes, lane i = sum of u[4i..4i+3] * x[4i..4i+3]; u unsigned, x signed
+inline __m256i dot_lanes(__m256i acc, __m256i u, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+  return _mm256_dpbusd_epi32(acc, u, x);
 #elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -267,11 +273,10 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// dot(u, x codes) per lane of 4 as floats, x's signs following q's for signed types
-inline __m256 signed_dot(const SubBlock& sub, const int8_t* codes) {
-  __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-  if (sub.is_signed) x = _mm256_sign_epi8(x, sub.sign_of);
-  return _mm256_cvtepi32_ps(dot_lanes(sub.codes, x));
+// 32 codes of x, their signs following q's for signed types
+inline __m256i codes_for(const SubBlock& sub, const int8_t* codes) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  return sub.is_signed ? _mm256_sign_epi8(x, sub.sign_of) : x;
 }
 
 // y[r * out + o] for R rows of x (starting at row r0) and one weight row o
@@ -284,11 +289,11 @@ void dot_rows(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRows
   visit_row(type, wrow, in, [&](const SubBlock& sub, int64_t s) {
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (r0 + r) * blocks + s;
-      __m256 dot = _mm256_mul_ps(signed_dot(sub, xq.codes.data() + xb * 32), _mm256_set1_ps(xq.scales[xb]));
+      __m256i dot = dot_lanes(_mm256_setzero_si256(), sub.codes, codes_for(sub, xq.codes.data() + xb * 32));
       if constexpr (kResidual)
-        dot = _mm256_fmadd_ps(signed_dot(sub, xq.residual_codes.data() + xb * 32),
-                              _mm256_set1_ps(xq.residual_scales[xb]), dot);
-      acc[r] = _mm256_fmadd_ps(dot, sub.scale, acc[r]);
+        dot = dot_lanes(_mm256_slli_epi32(dot, 8), sub.codes, codes_for(sub, xq.residual_codes.data() + xb * 32));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sub.scale, _mm256_set1_ps(xq.dot_scales[xb])),
+                               acc[r]);
       if (sub.has_offset)
         acc[r] = _mm256_fmadd_ps(sub.offset, _mm256_loadu_ps(xq.lane_sums.data() + xb * 8), acc[r]);
     }
