@@ -86,6 +86,7 @@ class Route:
     handler: Handler | None
     summary: str
     body: type[BaseModel] | None = None
+    body_required: bool = True  # False: no body at all means the body model's defaults
     query: type[BaseModel] | None = None
     responses: dict[int, type[BaseModel] | None] = field(default_factory=dict)
     path_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # default: a string
@@ -151,7 +152,7 @@ def operation_of(route: Route, definitions: dict[str, Any]) -> dict[str, Any]:
     if route.body is not None:
         body_schema = keyed[(route.body, "validation")]
         operation["requestBody"] = {
-            "required": True,
+            "required": route.body_required,
             "content": {"application/json": {"schema": body_schema}},
         }
     for status, model in route.responses.items():
