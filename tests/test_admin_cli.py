@@ -70,7 +70,7 @@ def test_operator_workflow(capsys, database_url):
     cli = Cli(capsys, database_url)
     code, out, err = cli("db", "upgrade")
     assert code == 0, err
-    assert "revision 0003" in out
+    assert "revision 0004" in out
 
     created = cli.json("tenants", "create", "--name", "acme", "--rpm", "600", "--tpm", "100000",
                        "--default-priority", "2", "--max-priority", "-1", "--weight", "2.5",
