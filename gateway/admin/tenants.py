@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from gateway.appkeys import AUTHENTICATOR, RATE_LIMITER, SESSIONMAKER
 from gateway.errors import APIError, deepest_problem, from_validation_error
 from gateway.jsonbody import read_model
+from gateway.tenancy.key_models import ScopedLimits
 from gateway.tenancy.limits import INT32_MAX, LIMIT_FIELDS
 from gateway.tenancy.tenants import (
     TENANT_NAME_PATTERN,
@@ -53,6 +54,9 @@ class TenantPatchFields(BaseModel):
     max_priority: int = Field(None, ge=-1_000_000, le=1_000_000)
     weight: float = Field(None, gt=0, le=1_000_000, allow_inf_nan=False)
     enabled: bool = None
+    model_limits: dict[str, ScopedLimits] | None = Field(
+        None, max_length=256, description="null removes every per-model limit"
+    )
 
 
 TenantPatch = create_model(

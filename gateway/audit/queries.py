@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -44,6 +44,9 @@ class AuditRecordOut(BaseModel):
     prompt_tokens: int | None
     completion_tokens: int | None
     refusal_reason: str | None
+    refused_by: str | None = Field(
+        None, description='the limit that refused it: "tenant", "key 7", "tenant model <name>"'
+    )
     error: str | None
 
 

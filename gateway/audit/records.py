@@ -78,11 +78,14 @@ def base_record(plan: Any) -> dict[str, Any]:
     }
 
 
-def refused_record(plan: Any, reason: str | None, error: APIError) -> dict[str, Any]:
+def refused_record(
+    plan: Any, reason: str | None, error: APIError, refused_by: str | None = None
+) -> dict[str, Any]:
     return {
         **base_record(plan),
         "status": "rejected",
         "refusal_reason": reason,
+        "refused_by": refused_by,
         "error": error.message,
         "finished_at": time.time(),
         "completion_tokens": 0,

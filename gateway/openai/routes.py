@@ -69,7 +69,7 @@ from gateway.openapi import (
     build_document,
     header,
 )
-from gateway.tenancy.admission import refusal_error, tenant_limits
+from gateway.tenancy.admission import refusal_error, request_limits
 from runtime.engine_client import EngineInfo
 
 log = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ def model_cards(request: web.Request) -> list[ModelCard]:
 async def rate_limit_only(request: web.Request) -> dict[str, str]:
     """Count a request that generates nothing against the tenant's request rate."""
     principal, request_id = request[PRINCIPAL], request[REQUEST_ID]
-    limits = tenant_limits(principal.tenant)
+    limits = request_limits(principal)
     limiter = request.app[RATE_LIMITER]
     admission = await limiter.admit(limits, request_id, 0, 0)
     if not admission.allowed:
