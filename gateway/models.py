@@ -107,6 +107,8 @@ class ApiKey(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)  # refused from then on
     grace_ends_at: Mapped[datetime | None] = mapped_column(UtcDateTime)  # rotated: works until
     replaced_by_id: Mapped[int | None] = mapped_column(Integer)  # rotated: its successor
+    # the first key of its rotations (NULL: itself): its limits' counters are shared by them all
+    lineage_id: Mapped[int | None] = mapped_column(Integer)
     # Scopes (NULL: every model, every inference endpoint) and the key's own limits
     # ({limit name: value}, nested under its tenant's; NULL: none of its own).
     models: Mapped[list[str] | None] = mapped_column(JsonDocument)

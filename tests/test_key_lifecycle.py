@@ -148,3 +148,14 @@ async def test_models_and_endpoints_outside_the_scope_are_403(two, unique_name, 
     assert body["error"]["param"] == "model" and "nope-*" in body["error"]["message"]
     globbed = await new_key(two[0], tenant["id"], models=[model[:3] + "*"])
     assert (await complete(two[1], globbed["key"], model))[0] == 200
+
+
+async def test_the_model_list_shows_only_the_keys_models(two, unique_name, tiny_model_dir):
+    tenant = await new_tenant(two[0], unique_name)
+    narrow = await new_key(two[0], tenant["id"], models=["nope-*"])
+    globbed = await new_key(two[0], tenant["id"], models=[tiny_model_dir.name[:3] + "*"])
+    seen = []
+    for key in (narrow, globbed):
+        response = await two[1].get("/v1/models", headers={"Authorization": f"Bearer {key['key']}"})
+        seen.append([card["id"] for card in (await response.json())["data"]])
+    assert seen == [[], [tiny_model_dir.name]]

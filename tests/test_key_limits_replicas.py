@@ -127,3 +127,16 @@ async def test_a_dead_replicas_concurrency_slots_are_released(unique_name):
         assert (await survivor.admit(limits, "after-expiry", 1, 1)).allowed
     finally:
         await alive.aclose()
+
+
+async def test_a_rotation_does_not_reset_the_keys_limits(three, unique_name, tiny_model_dir):
+    model = tiny_model_dir.name
+    tenant = await new_tenant(three[0], unique_name)
+    old = await new_key(three[0], tenant["id"], limits={"rpm": 2})
+    assert [s for s, _, _ in await spray(three, old["key"], model, 2)] == [200, 200]
+    status, new = await admin_call(three[1], "POST", f"/keys/{old['id']}/rotate",
+                                   {"grace_seconds": 60})  # fmt: skip
+    assert status == 201 and new["lineage_id"] == old["id"] and new["limits"] == {"rpm": 2}
+    for key in (new["key"], old["key"]):  # one window for the old key and its successor
+        status, body, _ = await complete(three[2], key, model)
+        assert status == 429 and "(the limit of the key " in body["error"]["message"]

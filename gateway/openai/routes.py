@@ -70,6 +70,7 @@ from gateway.openapi import (
     header,
 )
 from gateway.tenancy.admission import refusal_error, request_limits
+from gateway.tenancy.scopes import can_use_model
 from runtime.engine_client import EngineInfo
 
 log = logging.getLogger(__name__)
@@ -276,8 +277,9 @@ async def write_quietly(response: web.StreamResponse, data: bytes) -> None:
 
 # ---- models -----------------------------------------------------------------------------------
 def model_cards(request: web.Request) -> list[ModelCard]:
-    """One card per served name (`--served-model-name`), all the same model."""
+    """One card per served name (`--served-model-name`) the key may use, all the same model."""
     info = request.app[ENGINE_CLIENT].info
+    key = request[PRINCIPAL].key
     return [
         ModelCard(
             id=name,
@@ -287,6 +289,7 @@ def model_cards(request: web.Request) -> list[ModelCard]:
             max_model_len=info.max_model_len,
         )
         for name in info.served_model_names
+        if can_use_model(key, name)
     ]
 
 

@@ -34,7 +34,8 @@ def request_limits(principal: Any, model: str | None = None) -> RequestLimits:
     scopes = list(limits.scopes)
     key_limits = getattr(principal.key, "limits", None)
     if key_limits:
-        scopes.append(key_scope(principal.key_id, TenantLimits(tenant=tenant.name, **key_limits)))
+        own = TenantLimits(tenant=tenant.name, **key_limits)
+        scopes.append(key_scope(principal.key_id, own, getattr(principal.key, "lineage_id", None)))
     per_model = (getattr(tenant, "model_limits", None) or {}).get(model or "")
     if per_model:
         scopes.append(model_scope(model, TenantLimits(tenant=tenant.name, **per_model)))

@@ -56,6 +56,7 @@ async def rotate_key(
                      endpoints=old.endpoints)  # fmt: skip
     new, plaintext = await create_key(session, old.tenant_id, hasher, spec)
     new.limits = old.limits
+    new.lineage_id = old.lineage_id or old.id  # a rotation does not reset the key's limits
     old.grace_ends_at = utcnow() + timedelta(seconds=grace_seconds)
     old.replaced_by_id = new.id
     await session.flush()

@@ -181,6 +181,9 @@ class ApiKeyOut(BaseModel):
     expires_at: datetime | None = None
     grace_ends_at: datetime | None = Field(None, description="rotated: works until then")
     replaced_by_id: int | None = Field(None, description="rotated: the key that replaced it")
+    lineage_id: int | None = Field(
+        None, description="the first key of its rotations: they share its limits' counters"
+    )
     models: list[str] | None = None
     endpoints: list[str] | None = None
     limits: dict[str, int] | None = None

@@ -46,8 +46,9 @@ def escaped(name: str) -> str:
     return name.replace("%", "%25").replace("{", "%7B").replace("}", "%7D").replace(":", "%3A")
 
 
-def key_scope(key_id: int, limits: Any) -> ScopedLimits:
-    return ScopedLimits(f"key {key_id}", f":key:{key_id}", limits)
+def key_scope(key_id: int, limits: Any, lineage_id: int | None = None) -> ScopedLimits:
+    """A key's own limits; counted for its whole lineage (the keys a rotation chain made)."""
+    return ScopedLimits(f"key {key_id}", f":key:{lineage_id or key_id}", limits)
 
 
 def model_scope(model: str, limits: Any) -> ScopedLimits:

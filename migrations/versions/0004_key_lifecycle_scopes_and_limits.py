@@ -21,8 +21,8 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 JsonDocument = sa.JSON().with_variant(postgresql.JSONB(astext_type=sa.Text()), "postgresql")
-KEY_COLUMNS = ("name", "expires_at", "grace_ends_at", "replaced_by_id", "models", "endpoints",
-               "limits")  # fmt: skip
+KEY_COLUMNS = ("name", "expires_at", "grace_ends_at", "replaced_by_id", "lineage_id", "models",
+               "endpoints", "limits")  # fmt: skip
 
 
 def upgrade() -> None:
@@ -31,6 +31,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True))
         batch.add_column(sa.Column("grace_ends_at", sa.DateTime(timezone=True), nullable=True))
         batch.add_column(sa.Column("replaced_by_id", sa.Integer(), nullable=True))
+        batch.add_column(sa.Column("lineage_id", sa.Integer(), nullable=True))
         batch.add_column(sa.Column("models", JsonDocument, nullable=True))
         batch.add_column(sa.Column("endpoints", JsonDocument, nullable=True))
         batch.add_column(sa.Column("limits", JsonDocument, nullable=True))
