@@ -44,10 +44,12 @@ from gateway.errors import (
     overloaded,
     request_id_middleware,
 )
+from gateway.models import utcnow
 from gateway.openai import routes as openai_routes
 from gateway.pages import auth as page_auth
 from gateway.pages import routes as pages
 from gateway.settings import ServeSettings
+from gateway.tenancy.scopes import check_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +128,14 @@ async def audit_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def authenticator_ctx(app: web.Application) -> AsyncIterator[None]:
+    from gateway.tenancy.key_changes import KeyChanges
     from gateway.tenancy.keys import Authenticator, KeyHasher
 
     hasher = KeyHasher(app[SETTINGS].effective_key_hash_secret)
     stale_for_s = app[SETTINGS].auth_stale_for
-    authenticator = Authenticator(app[SESSIONMAKER], hasher, stale_for_s=stale_for_s)
+    authenticator = Authenticator(
+        app[SESSIONMAKER], hasher, stale_for_s=stale_for_s, changes=KeyChanges(app[REDIS])
+    )
     app[AUTHENTICATOR] = authenticator
     yield
     await authenticator.close()
@@ -245,7 +250,11 @@ async def principal_of(request: web.Request) -> Principal:
         raise overloaded("The API key could not be checked right now.", 1.0) from None
     if result is None:
         raise invalid_api_key()
-    return Principal(tenant=result.tenant, key_id=result.key.id)
+    ended = result.ended_message(utcnow())
+    if ended is not None:
+        raise APIError(401, ended, code="expired_api_key")
+    check_endpoint(result.key, request.path)
+    return Principal(tenant=result.tenant, key_id=result.key.id, key=result.key)
 
 
 # ---- probes ------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class Principal:
 
     tenant: Any
     key_id: int | None = None
+    key: Any = None  # the key's scopes and limits (gateway.tenancy.key_models.ApiKeyOut)
 
 
 # ---- application --------------------------------------------------------------------------

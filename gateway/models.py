@@ -86,6 +86,8 @@ class Tenant(Base):
     daily_token_quota: Mapped[int | None] = mapped_column(BigInteger)
     monthly_token_quota: Mapped[int | None] = mapped_column(BigInteger)
     max_grammar_bytes: Mapped[int | None] = mapped_column(BigInteger)  # one compiled grammar
+    # {served model name: {limit name: value}}: limits per model, nested under the tenant's
+    model_limits: Mapped[dict[str, dict[str, int]] | None] = mapped_column(JsonDocument)
     enabled: Mapped[bool] = mapped_column(default=True)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow, onupdate=utcnow)
@@ -101,6 +103,17 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime, default=utcnow)
     last_used_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    name: Mapped[str | None] = mapped_column(String(128))
+    expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)  # refused from then on
+    grace_ends_at: Mapped[datetime | None] = mapped_column(UtcDateTime)  # rotated: works until
+    replaced_by_id: Mapped[int | None] = mapped_column(Integer)  # rotated: its successor
+    # the first key of its rotations (NULL: itself): its limits' counters are shared by them all
+    lineage_id: Mapped[int | None] = mapped_column(Integer)
+    # Scopes (NULL: every model, every inference endpoint) and the key's own limits
+    # ({limit name: value}, nested under its tenant's; NULL: none of its own).
+    models: Mapped[list[str] | None] = mapped_column(JsonDocument)
+    endpoints: Mapped[list[str] | None] = mapped_column(JsonDocument)
+    limits: Mapped[dict[str, int] | None] = mapped_column(JsonDocument)
 
 
 class AuditRecord(Base):
@@ -131,6 +144,7 @@ class AuditRecord(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     refusal_reason: Mapped[str | None] = mapped_column(String(32))  # rate_limit, quota, ...
+    refused_by: Mapped[str | None] = mapped_column(String(300))  # "key 7 rpm", "tenant tpm", ...
     error: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (

@@ -48,10 +48,13 @@ def header(description: str, schema_type: str = "string") -> dict[str, Any]:
 REQUEST_ID_HEADER = {"x-request-id": header("this request's id; finds its audit record")}
 RETRY_AFTER_HEADER = {"Retry-After": header("seconds to wait before retrying", "integer")}
 RATE_LIMIT_HEADERS = {
-    "x-ratelimit-limit-requests": header("the tenant's requests per minute", "integer"),
+    "x-ratelimit-limit-requests": header(
+        "the tightest requests per minute that applied (the tenant's, the key's or the"
+        " model's)", "integer"
+    ),
     "x-ratelimit-remaining-requests": header("requests still admissible now", "integer"),
     "x-ratelimit-reset-requests": header("time until one more request is admissible, e.g. 1s"),
-    "x-ratelimit-limit-tokens": header("the tenant's tokens per minute", "integer"),
+    "x-ratelimit-limit-tokens": header("the tightest tokens per minute that applied", "integer"),
     "x-ratelimit-remaining-tokens": header("tokens still admissible now", "integer"),
     "x-ratelimit-reset-tokens": header("time until the tokens are admissible again, e.g. 6ms"),
 }
@@ -70,12 +73,19 @@ COMMON_ERRORS = {
     431: "a request header over the size limit, or too many headers",
     500: "an error of the server (never caused by the request)",
 }
-KEY_ERRORS = {401: "no API key, or one unknown, revoked or of a disabled tenant"}
+KEY_ERRORS = {
+    401: "no API key, or one unknown, revoked, expired (rotated past its grace) or of a disabled"
+    " tenant",
+    403: "a model or endpoint outside the key's scopes (model_not_allowed, endpoint_not_allowed)",
+}
 AUTH_ERRORS = {
     401: "no admin token, or one that is not valid",
     403: "a tenant key, or no admin tokens configured",
 }
-RATE_LIMIT_ERRORS = {429: "over a rate limit, quota or concurrency limit of the tenant"}
+RATE_LIMIT_ERRORS = {
+    429: "over a rate limit, quota or concurrency limit of the tenant, its key or the model"
+    " (the message names which)"
+}
 DRAINING_ERRORS = {503: "draining for a shutdown, overloaded, or the key store is unreachable"}
 
 
@@ -86,6 +96,7 @@ class Route:
     handler: Handler | None
     summary: str
     body: type[BaseModel] | None = None
+    body_required: bool = True  # False: no body at all means the body model's defaults
     query: type[BaseModel] | None = None
     responses: dict[int, type[BaseModel] | None] = field(default_factory=dict)
     path_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # default: a string
@@ -151,7 +162,7 @@ def operation_of(route: Route, definitions: dict[str, Any]) -> dict[str, Any]:
     if route.body is not None:
         body_schema = keyed[(route.body, "validation")]
         operation["requestBody"] = {
-            "required": True,
+            "required": route.body_required,
             "content": {"application/json": {"schema": body_schema}},
         }
     for status, model in route.responses.items():

@@ -70,7 +70,7 @@ def test_operator_workflow(capsys, database_url):
     cli = Cli(capsys, database_url)
     code, out, err = cli("db", "upgrade")
     assert code == 0, err
-    assert "revision 0003" in out
+    assert "revision 0004" in out
 
     created = cli.json("tenants", "create", "--name", "acme", "--rpm", "600", "--tpm", "100000",
                        "--default-priority", "2", "--max-priority", "-1", "--weight", "2.5",
@@ -80,7 +80,7 @@ def test_operator_workflow(capsys, database_url):
         "id": created["id"], "name": "acme", "default_priority": 2, "max_priority": -1,
         "weight": 2.5, "rpm": 600, "burst": 20, "tpm": 100000, "max_concurrency": 4,
         "daily_token_quota": 5_000_000_000, "monthly_token_quota": None,
-        "max_grammar_bytes": None, "enabled": True,
+        "max_grammar_bytes": None, "enabled": True, "model_limits": None,
     }  # fmt: skip
     cli.json("tenants", "create", "--name", "globex", "--disable")
     listed = cli.json("tenants", "list")

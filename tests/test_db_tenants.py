@@ -138,7 +138,7 @@ async def test_tenant_out_has_exactly_the_shared_field_names(sessionmaker):
     assert set(created.model_dump()) == {
         "id", "name", "default_priority", "max_priority", "weight", "rpm", "burst", "tpm",
         "max_concurrency", "daily_token_quota", "monthly_token_quota", "max_grammar_bytes",
-        "enabled",
+        "enabled", "model_limits",
     }  # fmt: skip
     assert (created.default_priority, created.max_priority, created.weight) == (0, 0, 1.0)
     assert created.burst == 0  # no extra unless set

@@ -93,3 +93,6 @@ def test_the_walk_through_runs(server, tiny_model_dir):
     lines = out.splitlines()
     assert any(line.startswith("The request at priority 0 finished (length)") for line in lines)
     assert lines[-1].startswith("In total,")  # the explanation ends the walk-through
+    assert '"code":"endpoint_not_allowed"' in out.replace(" ", "")  # the scoped key
+    assert re.search(r"^Rotated API key \d+ to \d+", out, re.MULTILINE)
+    assert re.search(r"^\d+ +acme +cvy_\S+ +ci +rotated ", out, re.MULTILINE)

@@ -24,15 +24,15 @@ from gateway.admin.commands import (
     db_current,
     db_downgrade,
     db_upgrade,
-    keys_create,
     keys_list,
-    keys_revoke,
     runner,
     tenants_create,
     tenants_list,
     tenants_update,
 )
-from gateway.tenancy.limits import LIMIT_FIELDS, LimitField
+from gateway.admin.key_commands import keys_create, keys_revoke, keys_rotate, keys_update
+from gateway.tenancy.key_models import INFERENCE_ENDPOINTS
+from gateway.tenancy.limits import LIMIT_FIELDS, SCRIPT_LIMIT_FIELDS, LimitField
 
 NO_LIMIT_WORDS = ("none", "unlimited")
 
@@ -169,23 +169,75 @@ def limit_value(text: str) -> int | None:
 
 
 def register_keys(subparsers, common: argparse.ArgumentParser) -> None:
-    keys = subparsers.add_parser("keys", help="create, list and revoke API keys")
+    keys = subparsers.add_parser("keys", help="create, list, change, rotate and revoke API keys")
     sub = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     parents = [common, json_option()]
     create = sub.add_parser(
         "create", parents=[*parents, secret_option()], help="new key for a tenant (shown once)"
     )
     create.add_argument("--tenant", required=True, metavar="NAME")
+    add_key_field_args(create)
     create.set_defaults(func=runner(keys_create))
     listing = sub.add_parser("list", parents=parents, help="a tenant's keys (never the keys)")
     listing.add_argument("--tenant", required=True, metavar="NAME")
     listing.set_defaults(func=runner(keys_list))
-    revoke = sub.add_parser("revoke", parents=[*parents, secret_option()], help="revoke a key")
-    revoke.add_argument(
+    changing = [*parents, secret_option(), redis_option()]
+    update = sub.add_parser("update", parents=changing, help="change a key's fields (given ones)")
+    add_key_argument(update)
+    add_key_field_args(update)
+    update.set_defaults(func=runner(keys_update))
+    rotate = sub.add_parser(
+        "rotate", parents=changing, help="replace a key; the old one works for --grace-seconds"
+    )
+    add_key_argument(rotate)
+    rotate.add_argument("--grace-seconds", type=int, default=0, metavar="S",
+                        help="how long the old key keeps working (default 0)")  # fmt: skip
+    rotate.set_defaults(func=runner(keys_rotate))
+    revoke = sub.add_parser("revoke", parents=changing, help="revoke a key")
+    add_key_argument(revoke)
+    revoke.set_defaults(func=runner(keys_revoke))
+
+
+def add_key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "key", metavar="KEY", help="the key's id, its prefix (e.g. cvy_ab12) or the key itself"
     )
-    revoke.add_argument("--tenant", metavar="NAME", help="only look among this tenant's keys")
-    revoke.set_defaults(func=runner(keys_revoke))
+    parser.add_argument("--tenant", metavar="NAME", help="only look among this tenant's keys")
+
+
+def redis_option() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--redis-url", default=None,
+        help="tell running servers at once (default: $CONVEYOR_REDIS_URL; none: within 2 s)",
+    )  # fmt: skip
+    return parent
+
+
+def add_key_field_args(parser: argparse.ArgumentParser) -> None:
+    """A key's fields as flags; `none` clears one (on update). Not given: not in `args`."""
+    unset = argparse.SUPPRESS
+    parser.add_argument("--name", default=unset, help="a label for people")
+    parser.add_argument("--expires-at", type=optional_text, default=unset, metavar="TIME|none",
+                        help="ISO 8601 time from which it is refused")  # fmt: skip
+    parser.add_argument("--duration", default=unset, help='expires this long from now: "30d"')
+    parser.add_argument("--models", type=optional_list, default=unset, metavar="A,B|none",
+                        help="served names or glob patterns it may use (default: all)")  # fmt: skip
+    parser.add_argument("--endpoints", type=optional_list, default=unset, metavar="A,B|none",
+                        help=f"of {', '.join(INFERENCE_ENDPOINTS)} (default: all)")  # fmt: skip
+    for limit in SCRIPT_LIMIT_FIELDS:
+        parser.add_argument(limit.flag, type=limit_value, default=unset, metavar="N|none",
+                            help=f"the key's own: {limit.help}")  # fmt: skip
+
+
+def optional_text(text: str) -> str | None:
+    return None if text.strip().lower() in NO_LIMIT_WORDS else text
+
+
+def optional_list(text: str) -> list[str] | None:
+    if text.strip().lower() in NO_LIMIT_WORDS:
+        return None
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def register_db(subparsers, common: argparse.ArgumentParser) -> None:

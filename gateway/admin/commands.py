@@ -24,7 +24,8 @@ TENANT_COLUMNS = ("id", "name", "enabled", "default_priority", "max_priority", "
 TENANT_COLUMNS += LIMIT_NAMES
 
 
-KEY_COLUMNS = ("id", "tenant", "prefix", "status", "created_at", "last_used_at", "revoked_at")
+KEY_COLUMNS = ("id", "tenant", "prefix", "name", "status", "expires_at", "grace_ends_at",
+               "last_used_at", "models", "endpoints", "limits")  # fmt: skip
 
 
 class CommandError(Exception):
@@ -194,24 +195,6 @@ async def tenants_update(args: argparse.Namespace) -> None:
 
 
 # ==== keys ====================================================================================
-async def keys_create(args: argparse.Namespace) -> None:
-    from gateway.tenancy.keys import create_key
-    from gateway.tenancy.tenants import get_tenant_by_name
-
-    hasher = key_hasher(args)
-    async with database(args.database_url) as sessionmaker, sessionmaker.begin() as session:
-        tenant = await get_tenant_by_name(session, args.tenant)
-        key, plaintext = await create_key(session, tenant.id, hasher)
-    # printed only once the transaction has committed: a shown key always exists
-    if args.json:
-        record = {"id": key.id, "tenant": tenant.name, "prefix": key.prefix, "key": plaintext}
-        print(json.dumps(record, indent=2))
-        return
-    print(f"Created API key {key.id} ({key.prefix}) for tenant {tenant.name!r}:")
-    print(f"  {plaintext}")
-    print("Store it now: it is not stored anywhere and will not be shown again.")
-
-
 async def keys_list(args: argparse.Namespace) -> None:
     from gateway.tenancy.keys import list_keys
     from gateway.tenancy.tenants import get_tenant_by_name
@@ -226,26 +209,6 @@ async def keys_list(args: argparse.Namespace) -> None:
         print(format_table(rows, KEY_COLUMNS))
     else:
         print(f"Tenant {tenant.name!r} has no keys: `conveyor keys create --tenant NAME`.")
-
-
-async def keys_revoke(args: argparse.Namespace) -> None:
-    from gateway.models import Tenant
-    from gateway.tenancy.keys import revoke_key
-
-    async with database(args.database_url) as sessionmaker, sessionmaker.begin() as session:
-        key = await find_key(session, args)
-        was_revoked = key.revoked_at is not None
-        key = await revoke_key(session, key.id)
-        tenant = await session.get(Tenant, key.tenant_id)
-    row = key_row(key, tenant.name)
-    if was_revoked:
-        message = f"API key {key.id} ({key.prefix}) was already revoked at {row['revoked_at']}."
-    else:
-        message = (
-            f"Revoked API key {key.id} ({key.prefix}) of tenant {tenant.name!r};"
-            " every server refuses it within a few seconds."
-        )
-    print_record(args, row, message)
 
 
 async def find_key(session, args: argparse.Namespace):
@@ -272,7 +235,7 @@ async def find_key(session, args: argparse.Namespace):
         raise ApiKeyNotFound(f"no API key matches {shorten_key(text)!r}")
     if len(keys) > 1:
         ids = ", ".join(str(key.id) for key in keys)
-        raise CommandError(f"{text!r} matches keys {ids}: revoke one by its id")
+        raise CommandError(f"{text!r} matches keys {ids}: name one by its id")
     return keys[0]
 
 
@@ -284,11 +247,11 @@ def shorten_key(text: str) -> str:
 
 
 def key_row(key: Any, tenant_name: str) -> dict[str, Any]:
-    from gateway.tenancy.keys import ApiKeyOut
+    from gateway.tenancy.key_models import ApiKeyOut
 
     row = ApiKeyOut.model_validate(key).model_dump(mode="json")
     row["tenant"] = tenant_name
-    row["status"] = "revoked" if key.revoked_at is not None else "active"
+    row["status"] = row["state"]  # active, expiring, expired, revoked or rotated
     return row
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, Field, create_model
 
+from gateway.admin import keys as keys_api
 from gateway.admin import tenants as tenants_api
 from gateway.appkeys import AUTHENTICATOR, ENGINE_CLIENT, METRICS, SERVING_STATE, SETTINGS
 from gateway.audit import routes as requests_api
@@ -27,6 +28,7 @@ from gateway.errors import APIError
 from gateway.openapi import AUTH_ERRORS, BEARER_ADMIN, Route, add_routes, build_document
 from gateway.pages import auth as page_auth
 from gateway.pages import routes as pages
+from gateway.tenancy.key_models import ApiKeyOut, KeyCreate, KeyPatch, KeyRotate
 from gateway.tenancy.keys import looks_like_key
 from runtime.engine_client import SequenceSnapshot
 
@@ -232,8 +234,9 @@ def admin_document() -> dict[str, Any]:
 
 
 # ---- the sub-app -----------------------------------------------------------------------------
-T, R = tenants_api, requests_api
+T, K, R = tenants_api, keys_api, requests_api
 TENANT_ID = {"tenant_id": T.ID_SCHEMA}
+KEY_ID = {"key_id": T.ID_SCHEMA}
 REQUEST_ID = {"request_id": R.REQUEST_ID_SCHEMA}
 ADMIN = AUTH_ERRORS
 FOUND = {**AUTH_ERRORS, 404: "no such tenant, key or request"}
@@ -253,15 +256,24 @@ ROUTES = [
     Route("DELETE", "/tenants/{tenant_id}", T.delete_tenant_handler,
           "Delete a tenant and its keys (its audit records stay)",
           responses={204: None}, path_schemas=TENANT_ID, errors=FOUND, tag="tenants"),
-    Route("POST", "/tenants/{tenant_id}/keys", T.create_key_handler,
-          "Create an API key (returned once, in `key`)",
-          responses={201: T.KeyCreated}, path_schemas=TENANT_ID, errors=FOUND, tag="keys"),
-    Route("GET", "/tenants/{tenant_id}/keys", T.list_keys_handler,
-          "List a tenant's keys (prefixes and dates, never the keys)",
-          responses={200: T.KeyList}, path_schemas=TENANT_ID, errors=FOUND, tag="keys"),
-    Route("DELETE", "/keys/{key_id}", T.revoke_key_handler, "Revoke an API key",
-          responses={200: T.ApiKeyOut}, path_schemas={"key_id": T.ID_SCHEMA}, errors=FOUND,
-          tag="keys"),
+    Route("POST", "/tenants/{tenant_id}/keys", K.create_key_handler,
+          "Create an API key (returned once, in `key`): name, expiry, scopes, limits",
+          body=KeyCreate, body_required=False, responses={201: K.KeyCreated}, path_schemas=TENANT_ID,
+          errors={**FOUND, **CONFLICT}, tag="keys"),
+    Route("GET", "/tenants/{tenant_id}/keys", K.list_keys_handler,
+          "List a tenant's keys: state, last use, scopes and limits (never the keys)",
+          responses={200: K.KeyList}, path_schemas=TENANT_ID, errors=FOUND, tag="keys"),
+    Route("PATCH", "/keys/{key_id}", K.update_key_handler,
+          "Change a key's name, expiry, scopes or limits",
+          body=KeyPatch, responses={200: ApiKeyOut}, path_schemas=KEY_ID,
+          errors={**FOUND, **CONFLICT}, tag="keys"),
+    Route("POST", "/keys/{key_id}/rotate", K.rotate_key_handler,
+          "Replace a key: the new one is returned once; the old one works until the grace ends",
+          body=KeyRotate, body_required=False, responses={201: K.KeyRotated}, path_schemas=KEY_ID,
+          errors={**FOUND, 409: "the key is revoked or already rotated"}, tag="keys"),
+    Route("DELETE", "/keys/{key_id}", K.revoke_key_handler,
+          "Revoke an API key (refused by every replica from its next request on)",
+          responses={200: ApiKeyOut}, path_schemas=KEY_ID, errors=FOUND, tag="keys"),
     Route("GET", "/tenants/{tenant_id}/usage", T.usage_handler,
           "Tokens today and this month against quotas; live rate-limit state",
           responses={200: T.TenantUsage}, path_schemas=TENANT_ID, errors=FOUND, tag="tenants"),

@@ -5,36 +5,25 @@
     GET    /admin/tenants/{tenant_id}        -> TenantOut
     PATCH  /admin/tenants/{tenant_id}        TenantPatch -> TenantOut
     DELETE /admin/tenants/{tenant_id}        -> 204 (its keys go too; its audit records stay)
-    POST   /admin/tenants/{tenant_id}/keys   -> 201 KeyCreated (the key, shown this once)
-    GET    /admin/tenants/{tenant_id}/keys   -> KeyList (prefixes and dates, never keys)
-    DELETE /admin/keys/{key_id}              -> ApiKeyOut (revoked)
     GET    /admin/tenants/{tenant_id}/usage  -> TenantUsage
 
-Changes take effect on this replica at once (its authentication cache is cleared) and on the
-others within the cache's lifetime (2 s).
+(The keys: `gateway.admin.keys`.) Changes take effect on this replica at once (its
+authentication cache is cleared) and on the others at their next request (the change is
+announced through Redis; within the cache's lifetime, 2 s, while Redis is unreachable).
 """
 
 from __future__ import annotations
 
 import re
-from datetime import datetime
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
-from sqlalchemy.orm.exc import StaleDataError
 
-from gateway.appkeys import AUTHENTICATOR, RATE_LIMITER, SESSIONMAKER, SETTINGS
+from gateway.appkeys import AUTHENTICATOR, RATE_LIMITER, SESSIONMAKER
 from gateway.errors import APIError, deepest_problem, from_validation_error
 from gateway.jsonbody import read_model
-from gateway.tenancy.keys import (
-    ApiKeyNotFound,
-    ApiKeyOut,
-    KeyHasher,
-    create_key,
-    list_keys,
-    revoke_key,
-)
+from gateway.tenancy.key_models import ScopedLimits
 from gateway.tenancy.limits import INT32_MAX, LIMIT_FIELDS
 from gateway.tenancy.tenants import (
     TENANT_NAME_PATTERN,
@@ -65,6 +54,9 @@ class TenantPatchFields(BaseModel):
     max_priority: int = Field(None, ge=-1_000_000, le=1_000_000)
     weight: float = Field(None, gt=0, le=1_000_000, allow_inf_nan=False)
     enabled: bool = None
+    model_limits: dict[str, ScopedLimits] | None = Field(
+        None, max_length=256, description="null removes every per-model limit"
+    )
 
 
 TenantPatch = create_model(
@@ -74,18 +66,6 @@ TenantPatch = create_model(
 
 class TenantList(BaseModel):
     items: list[TenantOut]
-
-
-class KeyCreated(BaseModel):
-    id: int
-    tenant_id: int
-    prefix: str
-    created_at: datetime
-    key: str = Field(description="the API key; shown only in this response, never again")
-
-
-class KeyList(BaseModel):
-    items: list[ApiKeyOut]
 
 
 class TenantUsageFields(BaseModel):
@@ -151,10 +131,11 @@ def json_model(model: BaseModel, status: int = 200) -> web.Response:
     return web.json_response(text=model.model_dump_json(), status=status)
 
 
-def forget_cached_keys(request: web.Request) -> None:
+async def forget_cached_keys(request: web.Request) -> None:
+    """Forget cached keys here and tell every other replica (after the change committed)."""
     authenticator = request.config_dict.get(AUTHENTICATOR)
     if authenticator is not None:
-        authenticator.invalidate()
+        await authenticator.announce_change()
 
 
 # ---- tenants ---------------------------------------------------------------------------------
@@ -200,7 +181,7 @@ async def update_tenant_handler(request: web.Request) -> web.Response:
         raise name_taken(error) from None
     except ValidationError as error:  # the tenant as changed would not be valid
         raise body_error(error) from None
-    forget_cached_keys(request)
+    await forget_cached_keys(request)
     return json_model(tenant)
 
 
@@ -211,50 +192,8 @@ async def delete_tenant_handler(request: web.Request) -> web.Response:
             await delete_tenant(session, tenant_id)
     except TenantNotFound as error:
         raise not_found(error) from None
-    forget_cached_keys(request)
+    await forget_cached_keys(request)
     return web.Response(status=204)
-
-
-# ---- keys ------------------------------------------------------------------------------------
-async def create_key_handler(request: web.Request) -> web.Response:
-    tenant_id = int_param(request, "tenant_id")
-    hasher = KeyHasher(request.config_dict[SETTINGS].effective_key_hash_secret)
-    try:
-        async with request.config_dict[SESSIONMAKER].begin() as session:
-            key, plaintext = await create_key(session, tenant_id, hasher)
-            created = KeyCreated(
-                id=key.id,
-                tenant_id=key.tenant_id,
-                prefix=key.prefix,
-                created_at=key.created_at,
-                key=plaintext,
-            )
-    except TenantNotFound as error:
-        raise not_found(error) from None
-    return json_model(created, status=201)
-
-
-async def list_keys_handler(request: web.Request) -> web.Response:
-    tenant_id = int_param(request, "tenant_id")
-    try:
-        async with request.config_dict[SESSIONMAKER]() as session:
-            keys = [ApiKeyOut.model_validate(key) for key in await list_keys(session, tenant_id)]
-    except TenantNotFound as error:
-        raise not_found(error) from None
-    return json_model(KeyList(items=keys))
-
-
-async def revoke_key_handler(request: web.Request) -> web.Response:
-    key_id = int_param(request, "key_id")
-    try:
-        async with request.config_dict[SESSIONMAKER].begin() as session:
-            key = ApiKeyOut.model_validate(await revoke_key(session, key_id))
-    except ApiKeyNotFound as error:
-        raise not_found(error) from None
-    except StaleDataError:  # its tenant (and so the key) was deleted meanwhile
-        raise APIError(404, f"no API key with id {key_id}", code="not_found") from None
-    forget_cached_keys(request)
-    return json_model(key)
 
 
 # ---- usage -----------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ def record_invalid_request(request: web.Request, error: APIError | web.HTTPExcep
     received_at, received_mono = request[RECEIVED]
     principal = request[PRINCIPAL]
     message = error.message if isinstance(error, APIError) else error.reason
+    reason = "scope" if error.status == 403 else "validation"  # a key's models scope
     record = {
         "id": request[REQUEST_ID],
         "tenant_id": getattr(principal.tenant, "id", None),
@@ -53,13 +54,13 @@ def record_invalid_request(request: web.Request, error: APIError | web.HTTPExcep
         "received_at": received_at,
         "finished_at": time.time(),
         "status": "rejected",
-        "refusal_reason": "validation",
+        "refusal_reason": reason,
         "error": message,
         "completion_tokens": 0,
     }
     events = [
         {"kind": ev.RECEIVED, "time": received_mono},
-        {"kind": ev.REFUSED, "time": time.monotonic(), "reason": "validation"},
+        {"kind": ev.REFUSED, "time": time.monotonic(), "reason": reason},
     ]
     submit_audit(request.app, record, events)
 
@@ -77,11 +78,14 @@ def base_record(plan: Any) -> dict[str, Any]:
     }
 
 
-def refused_record(plan: Any, reason: str | None, error: APIError) -> dict[str, Any]:
+def refused_record(
+    plan: Any, reason: str | None, error: APIError, refused_by: str | None = None
+) -> dict[str, Any]:
     return {
         **base_record(plan),
         "status": "rejected",
         "refusal_reason": reason,
+        "refused_by": refused_by,
         "error": error.message,
         "finished_at": time.time(),
         "completion_tokens": 0,

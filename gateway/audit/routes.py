@@ -24,6 +24,7 @@ from gateway.appkeys import AUDIT, PRINCIPAL, SESSIONMAKER
 from gateway.audit.explain import explain, redact_events
 from gateway.audit.ids import record_id_of
 from gateway.audit.queries import (
+    CURSOR_PATTERN,
     MAX_PAGE_SIZE,
     AuditEventOut,
     AuditRecordOut,
@@ -78,7 +79,9 @@ class RequestQuery(BaseModel):
     min_queue_time_s: float | None = Field(None, ge=0, description="queued at least this long")
     preempted_only: bool = Field(False, description="only requests preempted at least once")
     cursor: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9_-]+$", description="`next_cursor` of the previous page"
+        None,
+        pattern=CURSOR_PATTERN,
+        description="`next_cursor` of the previous page: <microseconds since 1970>_<request id>",
     )
     limit: int = Field(50, ge=1, le=MAX_PAGE_SIZE)
 

@@ -41,6 +41,7 @@ from gateway.openai.structured import (
     template_tools,
     tool_choice,
 )
+from gateway.tenancy.scopes import check_model_scope
 from runtime.engine import prompt_error
 from runtime.engine_client import EngineInfo
 from scheduler.request import GrammarSpec, SamplingParams, SamplingParamsError
@@ -132,6 +133,7 @@ def sampling_params(
 def check_model(request: web.Request, model: str) -> None:
     if model not in request.app[ENGINE_CLIENT].info.served_model_names:
         raise model_not_found(model)
+    check_model_scope(request[PRINCIPAL].key, model)
 
 
 def check_prompt_fits(

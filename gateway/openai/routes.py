@@ -70,7 +70,8 @@ from gateway.openapi import (
     build_document,
     header,
 )
-from gateway.tenancy.admission import refusal_error, tenant_limits
+from gateway.tenancy.admission import refusal_error, request_limits
+from gateway.tenancy.scopes import can_use_model
 from runtime.engine_client import EngineInfo
 
 log = logging.getLogger(__name__)
@@ -290,8 +291,9 @@ async def write_quietly(response: web.StreamResponse, data: bytes) -> None:
 
 # ---- models -----------------------------------------------------------------------------------
 def model_cards(request: web.Request) -> list[ModelCard]:
-    """One card per served name (`--served-model-name`), all the same model."""
+    """One card per served name (`--served-model-name`) the key may use, all the same model."""
     info = request.app[ENGINE_CLIENT].info
+    key = request[PRINCIPAL].key
     return [
         ModelCard(
             id=name,
@@ -301,13 +303,14 @@ def model_cards(request: web.Request) -> list[ModelCard]:
             max_model_len=info.max_model_len,
         )
         for name in info.served_model_names
+        if can_use_model(key, name)
     ]
 
 
 async def rate_limit_only(request: web.Request) -> dict[str, str]:
     """Count a request that generates nothing against the tenant's request rate."""
     principal, request_id = request[PRINCIPAL], request[REQUEST_ID]
-    limits = tenant_limits(principal.tenant)
+    limits = request_limits(principal)
     limiter = request.app[RATE_LIMITER]
     admission = await limiter.admit(limits, request_id, 0, 0)
     if not admission.allowed:

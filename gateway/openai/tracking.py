@@ -27,8 +27,9 @@ from gateway.errors import (
     overloaded,
 )
 from gateway.openai.planning import Plan
-from gateway.tenancy.admission import refusal_error, start_lease_renewal, tenant_limits
-from gateway.tenancy.ratelimit import Admission, TenantLimits
+from gateway.tenancy.admission import refusal_error, request_limits, start_lease_renewal
+from gateway.tenancy.limit_scopes import RequestLimits
+from gateway.tenancy.ratelimit import Admission
 
 
 # ==== admission, accounting and audit =========================================================
@@ -37,7 +38,7 @@ class Tracker:
     """What one admitted HTTP request has used so far, for the refund and the audit record."""
 
     plan: Plan
-    limits: TenantLimits
+    limits: RequestLimits
     admission: Admission
     num_output_tokens: dict[int, int] = field(default_factory=dict)  # per choice
     finish_reasons: dict[int, str | None] = field(default_factory=dict)
@@ -176,14 +177,15 @@ def holding_capacity(app: web.Application, plan: Plan) -> Iterator[None]:
         state.num_inflight_sequences -= plan.num_choices
 
 
-async def admit_or_refuse(app: web.Application, plan: Plan, limits: TenantLimits) -> Admission:
-    """Reserve prompt + max tokens (and a concurrency lease) under the tenant's limits."""
+async def admit_or_refuse(app: web.Application, plan: Plan, limits: RequestLimits) -> Admission:
+    """Reserve prompt + max tokens (and a concurrency lease) under every limit of the tenant, its
+    key and the model."""
     admission = await app[RATE_LIMITER].admit(
         limits, plan.request_id, plan.num_prompt_tokens, plan.num_reserved_output_tokens
     )
     if not admission.allowed:
         error = refusal_error(admission)
-        record_refusal(app, plan, admission.reason, error)
+        record_refusal(app, plan, admission.reason, error, admission.refused_by)
         raise error
     return admission
 
@@ -193,7 +195,7 @@ async def admitted(request: web.Request, plan: Plan) -> AsyncIterator[Tracker]:
     """Capacity and rate limits first; on the way out, refund, release and audit."""
     app = request.app
     with holding_capacity(app, plan):
-        limits = tenant_limits(plan.principal.tenant)
+        limits = request_limits(plan.principal, plan.model)
         tracker = Tracker(plan, limits, await admit_or_refuse(app, plan, limits))
         tracker.keep_events = app.get(AUDIT) is not None
         renewal = start_lease_renewal(app, limits, plan.request_id)
@@ -228,11 +230,17 @@ async def settle(app: web.Application, tracker: Tracker) -> None:
     submit_audit(app, finished_record(tracker), tracker.events)
 
 
-def record_refusal(app: web.Application, plan: Plan, reason: str | None, error: APIError) -> None:
-    """Audit record (with its `received` and `refused` events) and metrics of a refusal."""
-    events = [
-        {"kind": ev.RECEIVED, "time": plan.received_mono},
-        {"kind": ev.REFUSED, "time": time.monotonic(), "reason": reason, "status": error.status},
-    ]
+def record_refusal(
+    app: web.Application,
+    plan: Plan,
+    reason: str | None,
+    error: APIError,
+    refused_by: str | None = None,
+) -> None:
+    """Audit record (with its `received` and `refused` events) and metrics of a refusal;
+    `refused_by`: the limit set that refused ("tenant", "key 7", "tenant model m")."""
+    refused = {"kind": ev.REFUSED, "time": time.monotonic(), "reason": reason}
+    refused |= {"status": error.status} | ({"refused_by": refused_by} if refused_by else {})
+    events = [{"kind": ev.RECEIVED, "time": plan.received_mono}, refused]
     app[METRICS].observe_refused(plan.principal.tenant.name, reason or "unknown")
-    submit_audit(app, refused_record(plan, reason, error), events)
+    submit_audit(app, refused_record(plan, reason, error, refused_by), events)

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.models import ApiKey, Tenant, utcnow
+from gateway.tenancy.key_changes import KeyChanges
+from gateway.tenancy.key_models import ApiKeyOut, KeyCreate, ended_at, stored_limits
 from gateway.tenancy.tenants import TenantOut, load_tenant
 
 log = logging.getLogger(__name__)
@@ -44,19 +45,6 @@ KEY_PATTERN = re.compile(rf"{KEY_SCHEME}[A-Za-z0-9_-]{{{KEY_SECRET_LEN}}}")
 
 class ApiKeyNotFound(LookupError):
     pass
-
-
-class ApiKeyOut(BaseModel):
-    """What may be shown about a key after creation: never the key itself."""
-
-    model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    tenant_id: int
-    prefix: str
-    created_at: datetime
-    last_used_at: datetime | None
-    revoked_at: datetime | None
 
 
 class KeyHasher:
@@ -83,13 +71,24 @@ def looks_like_key(plaintext: str) -> bool:
 
 
 async def create_key(
-    session: AsyncSession, tenant_id: int, hasher: KeyHasher
+    session: AsyncSession, tenant_id: int, hasher: KeyHasher, spec: KeyCreate | None = None
 ) -> tuple[ApiKey, str]:
-    """A new key for the tenant: the stored row and the plaintext, which is never stored."""
+    """A new key for the tenant: the stored row and the plaintext, which is never stored.
+
+    `spec`: its name, expiry (`expires_at` or `duration`), scopes and limits (ValueError when
+    both expiry forms are given)."""
     await load_tenant(session, tenant_id)
+    spec = spec or KeyCreate()
     plaintext = new_plaintext_key()
     key = ApiKey(
-        tenant_id=tenant_id, prefix=plaintext[:KEY_PREFIX_LEN], key_hash=hasher.hash(plaintext)
+        tenant_id=tenant_id,
+        prefix=plaintext[:KEY_PREFIX_LEN],
+        key_hash=hasher.hash(plaintext),
+        name=spec.name,
+        expires_at=spec.expiry(utcnow()),
+        models=spec.models,
+        endpoints=spec.endpoints,
+        limits=stored_limits(spec.limits),
     )
     session.add(key)
     await session.flush()
@@ -119,19 +118,33 @@ class AuthResult(NamedTuple):
     tenant: TenantOut
     key: ApiKeyOut
 
+    def ended_message(self, now: datetime) -> str | None:
+        """Why the key no longer works (expired, or rotated and its grace over), else None."""
+        end = ended_at(self.key)
+        if end is None or now < end:
+            return None
+        when = end.isoformat(timespec="seconds")
+        if self.key.grace_ends_at is not None and end == self.key.grace_ends_at:
+            return f"This API key was rotated; its grace period ended at {when}."
+        return f"This API key expired at {when}. Ask your administrator for a new one."
+
 
 @dataclass(slots=True)
 class _CacheEntry:
     expires_at: float  # ask the database again after this
     checked_at: float  # when the database last gave this answer
     result: AuthResult | None
+    version: int | None = None  # the key-change counter when it was asked
 
 
 class Authenticator:
-    """Maps a bearer key to its tenant and key, or None when unknown, revoked or disabled.
+    """Maps a bearer key to its tenant and key, or None when unknown, revoked or disabled. An
+    expired or rotated key is returned as it is: `AuthResult.ended_message` says when it ended.
 
-    Answers, found or not, are cached for at most `ttl_s` so a revocation or a disabled tenant
-    takes effect on every replica within that time. Concurrent misses for one key share a
+    Answers, found or not, are cached for at most `ttl_s`; with `changes` (the key-change counter
+    in Redis) every answer cached before the last change anywhere is forgotten at the next call,
+    so a revocation or a disabled tenant takes effect on every replica at once (within `ttl_s`
+    while Redis is unreachable). Concurrent misses for one key share a
     single query. `last_used_at` is written in the background at most every `touch_interval_s`
     per key.
 
@@ -152,6 +165,7 @@ class Authenticator:
         touch_interval_s: float = 60.0,
         max_entries: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        changes: KeyChanges | None = None,
     ):
         self._sessionmaker = sessionmaker
         self._hasher = hasher
@@ -164,11 +178,14 @@ class Authenticator:
         self._lookups: dict[str, asyncio.Task[AuthResult | None]] = {}
         self._last_touched: dict[int, float] = {}
         self._touches: set[asyncio.Task[None]] = set()
+        self._changes = changes
+        self._version: int | None = None  # the change counter last read
 
     async def authenticate(self, plaintext: str) -> AuthResult | None:
         if not looks_like_key(plaintext):
             return None
         key_hash = self._hasher.hash(plaintext)
+        await self._forget_if_changed()
         result = await self._cached_or_lookup(key_hash)
         if result is not None:
             self._touch_if_due(result.key)
@@ -178,6 +195,20 @@ class Authenticator:
         """Forget every cached answer (this replica only)."""
         self._cache.clear()
 
+    async def announce_change(self) -> None:
+        """A key or tenant changed (committed): forget here, and tell every other replica."""
+        self.invalidate()
+        if self._changes is not None:
+            await self._changes.bump()
+
+    async def _forget_if_changed(self) -> None:
+        if self._changes is None:
+            return
+        version = await self._changes.version()
+        if version is not None and version != self._version:
+            self._version = version
+            self._cache.clear()
+
     async def close(self) -> None:
         """Wait for pending `last_used_at` writes."""
         if self._touches:
@@ -185,7 +216,8 @@ class Authenticator:
 
     async def _cached_or_lookup(self, key_hash: str) -> AuthResult | None:
         entry = self._cache.get(key_hash)
-        if entry is not None and entry.expires_at > self._clock():
+        is_current = entry is not None and entry.version == self._version
+        if is_current and entry.expires_at > self._clock():
             return entry.result
         lookup = self._lookups.get(key_hash)
         if lookup is None:
@@ -195,11 +227,12 @@ class Authenticator:
         return await asyncio.shield(lookup)
 
     async def _lookup_and_cache(self, key_hash: str) -> AuthResult | None:
+        version = self._version  # an answer read before a later change is not kept past it
         try:
             result = await self._lookup(key_hash)
         except Exception as error:
             return self._stale_answer_or_raise(key_hash, error)
-        self._remember(key_hash, result)
+        self._remember(key_hash, result, version)
         return result
 
     def _stale_answer_or_raise(self, key_hash: str, error: Exception) -> AuthResult | None:
@@ -211,6 +244,7 @@ class Authenticator:
         log.warning("database unreachable: using the answer for a key from %.1f s ago",
                     now - entry.checked_at)  # fmt: skip
         entry.expires_at = now + self._ttl_s  # ask again after ttl_s, not on every request
+        entry.version = self._version
         return entry.result
 
     async def _lookup(self, key_hash: str) -> AuthResult | None:
@@ -229,9 +263,9 @@ class Authenticator:
             return None
         return AuthResult(TenantOut.model_validate(tenant), ApiKeyOut.model_validate(key))
 
-    def _remember(self, key_hash: str, result: AuthResult | None) -> None:
+    def _remember(self, key_hash: str, result: AuthResult | None, version: int | None) -> None:
         now = self._clock()
-        self._cache[key_hash] = _CacheEntry(now + self._ttl_s, now, result)
+        self._cache[key_hash] = _CacheEntry(now + self._ttl_s, now, result, version)
         self._cache.move_to_end(key_hash)
         while len(self._cache) > self._max_entries:
             self._cache.popitem(last=False)

@@ -127,16 +127,19 @@ end
 ADMIT_LUA = (
     LUA_PRELUDE
     + """
--- KEYS: requests log, tokens log, token costs, tokens sum, day, month, leases, reservation
--- ARGV: now ms ('' = server time), then the limits in the order of limits.SCRIPT_LIMIT_FIELDS
---       (rpm, burst, tpm, max concurrency, daily, monthly; -1 = unlimited),
---       then cost, request id, lease ttl ms, reservation ttl ms, concurrency retry ms
+-- Every limit set (the tenant's, then its key's, then the tenant's for the model) is checked;
+-- only when all admit is anything reserved, in all of them (all or nothing).
+-- KEYS: reservation, then per set: requests log, tokens log, token costs, tokens sum, day,
+--       month, leases
+-- ARGV: now ms ('' = server time), cost, request id, lease ttl ms, reservation ttl ms,
+--       concurrency retry ms, number of sets, then per set its limits in the order of
+--       limits.SCRIPT_LIMIT_FIELDS (rpm, burst, tpm, max concurrency, daily, monthly; -1 = none)
+-- Reply: allowed, reason, wait ms, refusing set (1-based, 0: none), then per set
+--        requests left, requests reset ms, tokens left, tokens reset ms
 local now = clock_ms(ARGV[1])
-local rpm, burst, tpm = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local max_concurrency, daily, monthly = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local cost, request_id = tonumber(ARGV[8]), ARGV[9]
-local lease_ttl, reservation_ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
-local concurrency_retry = tonumber(ARGV[12])
+local cost, request_id = tonumber(ARGV[2]), ARGV[3]
+local lease_ttl, reservation_ttl = tonumber(ARGV[4]), tonumber(ARGV[5])
+local concurrency_retry, num_sets = tonumber(ARGV[6]), tonumber(ARGV[7])
 
 local day = math.floor(now / DAY_MS)
 local month, month_reset = month_window(now)
@@ -146,59 +149,91 @@ local function fits(limit, used)
   return limit < 0 or used + cost <= limit
 end
 
-local capacity = rpm < 0 and -1 or rpm + burst
-local num_requests = rpm < 0 and 0 or requests_in_window(KEYS[1], now)
-local tokens_used = tpm < 0 and 0 or tokens_in_window(KEYS[2], KEYS[3], KEYS[4], now)
-local day_used = window_used(KEYS[5], day)
-local month_used = window_used(KEYS[6], month)
-redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
-local num_leases = redis.call('ZCARD', KEYS[7])
-
-local function requests_state(count)
-  if capacity < 0 then return -1, 0 end
-  return math.max(0, capacity - count), wait_for_request(KEYS[1], now, count, capacity)
-end
-local function tokens_state(used)
-  if tpm < 0 then return -1, 0 end
-  return math.max(0, tpm - used), wait_for_tokens(KEYS[2], KEYS[3], now, used, 1, tpm)
-end
-local function answer(allowed, reason, wait, count, used)
-  local requests_left, requests_reset = requests_state(count)
-  local tokens_left, tokens_reset = tokens_state(used)
-  return {allowed, reason, math.ceil(wait), requests_left, math.ceil(requests_reset),
-    tokens_left, math.ceil(tokens_reset)}
-end
-local function refuse(reason, wait)
-  return answer(0, reason, wait, num_requests, tokens_used)
+local function read_set(i)
+  local k, a = 1 + (i - 1) * 7, 7 + (i - 1) * 6
+  local set = {requests = KEYS[k + 1], log = KEYS[k + 2], costs = KEYS[k + 3],
+    sum = KEYS[k + 4], day = KEYS[k + 5], month = KEYS[k + 6], leases = KEYS[k + 7],
+    rpm = tonumber(ARGV[a + 1]), burst = tonumber(ARGV[a + 2]), tpm = tonumber(ARGV[a + 3]),
+    max_concurrency = tonumber(ARGV[a + 4]), daily = tonumber(ARGV[a + 5]),
+    monthly = tonumber(ARGV[a + 6])}
+  set.capacity = set.rpm < 0 and -1 or set.rpm + set.burst
+  set.num_requests = set.rpm < 0 and 0 or requests_in_window(set.requests, now)
+  set.tokens_used = set.tpm < 0 and 0 or tokens_in_window(set.log, set.costs, set.sum, now)
+  set.day_used = window_used(set.day, day)
+  set.month_used = window_used(set.month, month)
+  redis.call('ZREMRANGEBYSCORE', set.leases, '-inf', now)
+  set.num_leases = redis.call('ZCARD', set.leases)
+  return set
 end
 
-if not fits(monthly, month_used) then return refuse('monthly_quota', month_reset) end
-if not fits(daily, day_used) then return refuse('daily_quota', day_reset) end
-if capacity >= 0 and num_requests >= capacity then
-  return refuse('rate_limit_requests', wait_for_request(KEYS[1], now, num_requests, capacity))
-end
-if not fits(tpm, tokens_used) then
-  return refuse('rate_limit_tokens', wait_for_tokens(KEYS[2], KEYS[3], now, tokens_used, cost, tpm))
-end
-if max_concurrency >= 0 and num_leases >= max_concurrency then
-  return refuse('concurrency', concurrency_retry)
+local function refuse(reason, wait) return reason, wait end
+
+-- nil when the set admits the request, else the reason and the wait
+local function refusal(set)
+  if not fits(set.monthly, set.month_used) then return refuse('monthly_quota', month_reset) end
+  if not fits(set.daily, set.day_used) then return refuse('daily_quota', day_reset) end
+  if set.capacity >= 0 and set.num_requests >= set.capacity then
+    return refuse('rate_limit_requests',
+      wait_for_request(set.requests, now, set.num_requests, set.capacity))
+  end
+  if not fits(set.tpm, set.tokens_used) then
+    return refuse('rate_limit_tokens',
+      wait_for_tokens(set.log, set.costs, now, set.tokens_used, cost, set.tpm))
+  end
+  if set.max_concurrency >= 0 and set.num_leases >= set.max_concurrency then
+    return refuse('concurrency', concurrency_retry)
+  end
+  return nil
 end
 
-if capacity >= 0 then
-  redis.call('ZADD', KEYS[1], score(now), request_id)
-  redis.call('PEXPIRE', KEYS[1], 2 * WINDOW_MS)
+local function reserve(set)
+  if set.capacity >= 0 then
+    redis.call('ZADD', set.requests, score(now), request_id)
+    redis.call('PEXPIRE', set.requests, 2 * WINDOW_MS)
+  end
+  if set.tpm >= 0 then
+    log_tokens(set.log, set.costs, set.sum, now, request_id, cost, set.tokens_used)
+  end
+  redis.call('HSET', set.day, 'w', day, 'n', set.day_used + cost)
+  redis.call('PEXPIRE', set.day, math.ceil(day_reset) + DAY_MS)
+  redis.call('HSET', set.month, 'w', month, 'n', set.month_used + cost)
+  redis.call('PEXPIRE', set.month, math.ceil(month_reset) + DAY_MS)
+  redis.call('ZADD', set.leases, score(now + lease_ttl), request_id)
+  redis.call('PEXPIRE', set.leases, lease_ttl + WINDOW_MS)
 end
-if tpm >= 0 then log_tokens(KEYS[2], KEYS[3], KEYS[4], now, request_id, cost, tokens_used) end
-redis.call('HSET', KEYS[5], 'w', day, 'n', day_used + cost)
-redis.call('PEXPIRE', KEYS[5], math.ceil(day_reset) + DAY_MS)
-redis.call('HSET', KEYS[6], 'w', month, 'n', month_used + cost)
-redis.call('PEXPIRE', KEYS[6], math.ceil(month_reset) + DAY_MS)
-redis.call('ZADD', KEYS[7], score(now + lease_ttl), request_id)
-redis.call('PEXPIRE', KEYS[7], lease_ttl + WINDOW_MS)
-redis.call('HSET', KEYS[8], 'd', day, 'm', month, 'n', cost)
-redis.call('PEXPIRE', KEYS[8], reservation_ttl)
-local admitted = capacity >= 0 and num_requests + 1 or 0
-return answer(1, '', 0, admitted, tpm >= 0 and tokens_used + cost or 0)
+
+-- what is left of each set's rate limits, counting this request when it was admitted
+local function reply(allowed, reason, wait, refused_by, sets)
+  local out = {allowed, reason, math.ceil(wait), refused_by}
+  for _, set in ipairs(sets) do
+    local count = set.num_requests + allowed
+    local used = set.tokens_used + allowed * cost
+    local requests_left, requests_reset, tokens_left, tokens_reset = -1, 0, -1, 0
+    if set.capacity >= 0 then
+      requests_left = math.max(0, set.capacity - count)
+      requests_reset = wait_for_request(set.requests, now, count, set.capacity)
+    end
+    if set.tpm >= 0 then
+      tokens_left = math.max(0, set.tpm - used)
+      tokens_reset = wait_for_tokens(set.log, set.costs, now, used, 1, set.tpm)
+    end
+    for _, value in ipairs({requests_left, requests_reset, tokens_left, tokens_reset}) do
+      out[#out + 1] = math.ceil(value)
+    end
+  end
+  return out
+end
+
+local sets = {}
+for i = 1, num_sets do sets[i] = read_set(i) end
+for i, set in ipairs(sets) do
+  local reason, wait = refusal(set)
+  if reason then return reply(0, reason, wait, i, sets) end
+end
+for _, set in ipairs(sets) do reserve(set) end
+redis.call('HSET', KEYS[1], 'd', day, 'm', month, 'n', cost)
+redis.call('PEXPIRE', KEYS[1], reservation_ttl)
+return reply(1, '', 0, 0, sets)
 """
 )
 
@@ -206,31 +241,38 @@ return answer(1, '', 0, admitted, tpm >= 0 and tokens_used + cost or 0)
 COMPLETE_LUA = (
     LUA_PRELUDE
     + """
--- KEYS: tokens log, token costs, tokens sum, day, month, leases, reservation
+-- KEYS: reservation, then per limit set: tokens log, token costs, tokens sum, day, month, leases
 -- ARGV: reserved tokens, used tokens, request id
 local request_id = ARGV[3]
-redis.call('ZREM', KEYS[6], request_id)
-local record = redis.call('HMGET', KEYS[7], 'd', 'm', 'n')
+local num_sets = (#KEYS - 1) / 6
+for i = 1, num_sets do redis.call('ZREM', KEYS[1 + i * 6], request_id) end
+local record = redis.call('HMGET', KEYS[1], 'd', 'm', 'n')
 if not record[3] then return 0 end
-redis.call('DEL', KEYS[7])
+redis.call('DEL', KEYS[1])
 local refund = math.min(tonumber(record[3]), tonumber(ARGV[1])) - tonumber(ARGV[2])
 if refund <= 0 then return 0 end
 
 -- only while the admission is still in the tokens window
-local logged = tonumber(redis.call('HGET', KEYS[2], request_id))
-if logged and redis.call('ZSCORE', KEYS[1], request_id) then
-  local given = math.min(logged, refund)
-  redis.call('HSET', KEYS[2], request_id, logged - given)
-  local sum = tonumber(redis.call('GET', KEYS[3])) or 0
-  redis.call('SET', KEYS[3], math.max(0, sum - given), 'KEEPTTL')
+local function refund_tokens(log, costs, sum_key)
+  local logged = tonumber(redis.call('HGET', costs, request_id))
+  if logged and redis.call('ZSCORE', log, request_id) then
+    local given = math.min(logged, refund)
+    redis.call('HSET', costs, request_id, logged - given)
+    local sum = tonumber(redis.call('GET', sum_key)) or 0
+    redis.call('SET', sum_key, math.max(0, sum - given), 'KEEPTTL')
+  end
 end
 -- a day or month that has rolled over since admission keeps its fresh count
 local function give_back(key, window)
   local used = window_used(key, window)
   if used > 0 then redis.call('HSET', key, 'n', math.max(0, used - refund)) end
 end
-give_back(KEYS[4], tonumber(record[1]))
-give_back(KEYS[5], tonumber(record[2]))
+for i = 1, num_sets do
+  local k = 1 + (i - 1) * 6
+  refund_tokens(KEYS[k + 1], KEYS[k + 2], KEYS[k + 3])
+  give_back(KEYS[k + 4], tonumber(record[1]))
+  give_back(KEYS[k + 5], tonumber(record[2]))
+end
 return refund
 """
 )
@@ -239,18 +281,22 @@ return refund
 RENEW_LUA = (
     LUA_PRELUDE
     + """
--- KEYS: leases; ARGV: now ms ('' = server time), lease ttl ms, request id
+-- KEYS: the leases of each limit set; ARGV: now ms ('' = server time), lease ttl ms, request id
+-- Reply: 1 when every lease was still held (and is renewed), else 0
 local now = clock_ms(ARGV[1])
-local expiry = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[3]))
-if not expiry then return 0 end
-if expiry <= now then
-  redis.call('ZREM', KEYS[1], ARGV[3])
-  return 0
-end
 local lease_ttl = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], 'XX', score(now + lease_ttl), ARGV[3])
-redis.call('PEXPIRE', KEYS[1], lease_ttl + WINDOW_MS)
-return 1
+local all_held = 1
+for _, leases in ipairs(KEYS) do
+  local expiry = tonumber(redis.call('ZSCORE', leases, ARGV[3]))
+  if expiry and expiry > now then
+    redis.call('ZADD', leases, 'XX', score(now + lease_ttl), ARGV[3])
+    redis.call('PEXPIRE', leases, lease_ttl + WINDOW_MS)
+  else
+    if expiry then redis.call('ZREM', leases, ARGV[3]) end
+    all_held = 0
+  end
+end
+return all_held
 """
 )
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
@@ -29,8 +28,10 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.tenancy.limit_answers import Admission, admission_from_reply, format_reset  # noqa: F401
+from gateway.tenancy.limit_scopes import RequestLimits, ScopedLimits, as_request_limits
 from gateway.tenancy.limit_scripts import ADMIT, COMPLETE, RENEW, USAGE
-from gateway.tenancy.limits import LIMIT_FIELDS, REFUSALS, SCRIPT_LIMIT_FIELDS, LimitField
+from gateway.tenancy.limits import LIMIT_FIELDS, SCRIPT_LIMIT_FIELDS, LimitField
 
 logger = logging.getLogger(__name__)
 
@@ -61,81 +62,6 @@ TenantLimits = make_dataclass(
 )
 TenantLimits.__doc__ = "One tenant's limits (the fields of `limits.LIMIT_FIELDS`); None: unlimited."
 TenantLimits.__module__ = __name__  # picklable (replicas in tests are processes)
-
-
-@dataclass(frozen=True)
-class Admission:
-    """The answer to one `admit` call, with what the HTTP layer needs to tell the client."""
-
-    allowed: bool
-    reason: str | None = None
-    retry_after: float = 0.0
-    degraded: bool = False
-    reserved_tokens: int = 0
-    limit_requests: int | None = None
-    remaining_requests: int | None = None
-    reset_requests: float | None = None
-    limit_tokens: int | None = None
-    remaining_tokens: int | None = None
-    reset_tokens: float | None = None
-
-    @property
-    def code(self) -> str | None:
-        """OpenAI error code for the refusal body."""
-        refusal = REFUSALS.get(self.reason or "")
-        return refusal.code if refusal else None
-
-    @property
-    def error_type(self) -> str:
-        """OpenAI error type for the refusal body."""
-        refusal = REFUSALS.get(self.reason or "")
-        return refusal.error_type if refusal else "requests"
-
-    @property
-    def http_status(self) -> int:
-        if self.allowed:
-            return 200
-        refusal = REFUSALS.get(self.reason or "")
-        return refusal.http_status if refusal else 429
-
-    @property
-    def message(self) -> str:
-        if self.allowed:
-            return ""
-        refusal = REFUSALS.get(self.reason or "")
-        retry = f" Please retry after {format_reset(self.retry_after)}."
-        return (refusal.message if refusal else "Request refused.") + retry
-
-    def headers(self) -> dict[str, str]:
-        headers: dict[str, str] = {}
-        if self.limit_requests is not None:
-            headers["x-ratelimit-limit-requests"] = str(self.limit_requests)
-            headers["x-ratelimit-remaining-requests"] = str(self.remaining_requests)
-            headers["x-ratelimit-reset-requests"] = format_reset(self.reset_requests or 0.0)
-        if self.limit_tokens is not None:
-            headers["x-ratelimit-limit-tokens"] = str(self.limit_tokens)
-            headers["x-ratelimit-remaining-tokens"] = str(self.remaining_tokens)
-            headers["x-ratelimit-reset-tokens"] = format_reset(self.reset_tokens or 0.0)
-        if not self.allowed:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
-        return headers
-
-
-def format_reset(seconds: float) -> str:
-    """A duration the way OpenAI's headers write it (Go style): "120ms", "1s", "1.5s", "6m0s"."""
-    total_ms = max(0, math.ceil(seconds * 1000 - 1e-6))
-    if total_ms == 0:
-        return "0s"
-    if total_ms < 1000:
-        return f"{total_ms}ms"
-    hours, rest_ms = divmod(total_ms, 3_600_000)
-    minutes, rest_ms = divmod(rest_ms, 60_000)
-    secs = f"{rest_ms / 1000:.3f}".rstrip("0").rstrip(".") + "s"
-    if hours:
-        return f"{hours}h{minutes}m{secs}"
-    if minutes:
-        return f"{minutes}m{secs}"
-    return secs
 
 
 def hash_tag(tenant: str) -> str:
@@ -262,49 +188,35 @@ class RateLimiter:
             return False
         return True
 
+    def scope_keys(self, limits: RequestLimits, scope: ScopedLimits) -> TenantKeys:
+        return TenantKeys(self.keys(limits.tenant).base + scope.suffix)
+
     async def admit(
         self,
-        limits: TenantLimits,
+        limits: TenantLimits | RequestLimits,
         request_id: str,
         prompt_tokens: int,
         max_tokens: int,
         now: float | None = None,
     ) -> Admission:
-        """Check every limit and, only if all pass, reserve prompt + max tokens and a lease."""
+        """Check every limit of every set and, only if all pass, reserve prompt + max tokens and
+        a lease in each."""
+        limits = as_request_limits(limits)
         cost = max(0, prompt_tokens) + max(0, max_tokens)
-        keys = self.keys(limits.tenant)
-        key_list = [keys.requests, *keys.tokens, keys.tokens_day, keys.tokens_month]
-        key_list += [keys.leases, keys.reservation(request_id)]
-        args = [now_arg(now), *limit_args(limits), cost, request_id]
-        args += [
-            round(self.lease_ttl_s * 1000),
-            round(RESERVATION_TTL_S * 1000),
-            round(self.concurrency_retry_s * 1000),
-        ]
+        key_list = [self.keys(limits.tenant).reservation(request_id)]
+        args = [now_arg(now), cost, request_id, round(self.lease_ttl_s * 1000),
+                round(RESERVATION_TTL_S * 1000), round(self.concurrency_retry_s * 1000),
+                len(limits.scopes)]  # fmt: skip
+        for scope in limits.scopes:
+            keys = self.scope_keys(limits, scope)
+            key_list += [keys.requests, *keys.tokens, keys.tokens_day, keys.tokens_month]
+            key_list.append(keys.leases)
+            args += limit_args(scope.limits)
         try:
             reply = await self._run(ADMIT(self.redis, key_list, args))
         except REDIS_ERRORS + (RedisUnavailable,) as error:
             return self._admission_without_redis(error)
-        return self._admission_from_reply(limits, cost, reply)
-
-    def _admission_from_reply(self, limits: TenantLimits, cost: int, reply: list) -> Admission:
-        allowed, reason, wait_ms, requests_left, requests_reset_ms, tokens_left, tokens_reset_ms = (
-            reply
-        )
-        has_rpm = limits.rpm is not None
-        has_tpm = limits.tpm is not None
-        return Admission(
-            allowed=bool(allowed),
-            reason=decode(reason) or None,
-            retry_after=max(int(wait_ms), 1) / 1000 if not allowed else 0.0,
-            reserved_tokens=cost if allowed else 0,
-            limit_requests=limits.rpm,
-            remaining_requests=int(requests_left) if has_rpm else None,
-            reset_requests=int(requests_reset_ms) / 1000 if has_rpm else None,
-            limit_tokens=limits.tpm,
-            remaining_tokens=int(tokens_left) if has_tpm else None,
-            reset_tokens=int(tokens_reset_ms) / 1000 if has_tpm else None,
-        )
+        return admission_from_reply(limits, cost, reply)
 
     def _admission_without_redis(self, error: BaseException) -> Admission:
         if self.on_error == "open":
@@ -317,30 +229,39 @@ class RateLimiter:
         )
 
     async def complete(
-        self, limits: TenantLimits, request_id: str, reserved_tokens: int, used_tokens: int
+        self,
+        limits: TenantLimits | RequestLimits,
+        request_id: str,
+        reserved_tokens: int,
+        used_tokens: int,
     ) -> None:
-        """Release the request's lease and refund `reserved_tokens - used_tokens`.
+        """Release the request's leases and refund `reserved_tokens - used_tokens` in every set.
 
         Refunds go to the windows the reservation was made in, and only while they are still
         current; calling it twice refunds once. If Redis is down the refund is lost (the tenant
-        is charged its reservation) and the lease expires after `lease_ttl_s`.
+        is charged its reservation) and the leases expire after `lease_ttl_s`.
         """
-        keys = self.keys(limits.tenant)
-        key_list = [*keys.tokens, keys.tokens_day, keys.tokens_month, keys.leases]
-        key_list.append(keys.reservation(request_id))
+        limits = as_request_limits(limits)
+        key_list = [self.keys(limits.tenant).reservation(request_id)]
+        for scope in limits.scopes:
+            keys = self.scope_keys(limits, scope)
+            key_list += [*keys.tokens, keys.tokens_day, keys.tokens_month, keys.leases]
         args = [max(0, reserved_tokens), max(0, used_tokens), request_id]
         try:
             await self._run(COMPLETE(self.redis, key_list, args))
         except REDIS_ERRORS + (RedisUnavailable,):
             return
 
-    async def renew(self, limits: TenantLimits, request_id: str, now: float | None = None) -> bool:
-        """Extend a running request's lease by `lease_ttl_s`; False if it had already expired
+    async def renew(
+        self, limits: TenantLimits | RequestLimits, request_id: str, now: float | None = None
+    ) -> bool:
+        """Extend a running request's leases by `lease_ttl_s`; False if one had already expired
         (or Redis is unreachable). Long requests call it well within every `lease_ttl_s`."""
-        keys = self.keys(limits.tenant)
+        limits = as_request_limits(limits)
+        key_list = [self.scope_keys(limits, scope).leases for scope in limits.scopes]
         args = [now_arg(now), round(self.lease_ttl_s * 1000), request_id]
         try:
-            return bool(await self._run(RENEW(self.redis, [keys.leases], args)))
+            return bool(await self._run(RENEW(self.redis, key_list, args)))
         except REDIS_ERRORS + (RedisUnavailable,):
             return False
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_serializer, model_validator
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.models import ApiKey, Tenant
+from gateway.tenancy.key_models import ScopedLimits, stored_limits
 from gateway.tenancy.limits import LIMIT_FIELDS
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,22 @@ def limit_fields(*, partial: bool, bounded: bool) -> dict[str, Any]:
     return fields
 
 
+MODEL_LIMITS_HELP = (
+    "limits per served model name, nested under the tenant's: "
+    '{"qwen2.5-coder-1.5b-instruct": {"rpm": 60, "tpm": 100000}}'
+)
+
+
+def stored_model_limits(value: dict[str, Any] | None) -> dict[str, dict[str, int]] | None:
+    """As the JSON column holds them: only the limits given, only models with some."""
+    given = {}
+    for model, limits in (value or {}).items():
+        limits = stored_limits(ScopedLimits.model_validate(limits))
+        if limits:
+            given[model] = limits
+    return given or None
+
+
 class TenantCreateFields(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -61,6 +78,13 @@ class TenantCreateFields(BaseModel):
     max_priority: int = Field(0, ge=-1_000_000, le=1_000_000)  # most urgent allowed
     weight: float = Field(1.0, gt=0, le=1_000_000, allow_inf_nan=False)
     enabled: bool = True
+    model_limits: dict[str, ScopedLimits] | None = Field(
+        None, max_length=256, description=MODEL_LIMITS_HELP
+    )
+
+    @field_serializer("model_limits")
+    def _given_limits_only(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return stored_model_limits(value)
 
     @model_validator(mode="after")
     def _max_priority_is_at_least_as_urgent(self) -> TenantCreateFields:
@@ -87,6 +111,7 @@ class TenantUpdateFields(BaseModel):
     max_priority: int | None = None
     weight: float | None = None
     enabled: bool | None = None
+    model_limits: dict[str, ScopedLimits] | None = None
 
 
 TenantUpdate = create_model(
@@ -103,6 +128,7 @@ class TenantOutFields(BaseModel):
     max_priority: int
     weight: float
     enabled: bool
+    model_limits: dict[str, dict[str, int]] | None = None
 
 
 TenantOut = create_model(
@@ -150,8 +176,9 @@ async def update_tenant(session: AsyncSession, tenant_id: int, changes: TenantUp
     merged = TenantCreate.model_validate({**current, **given})
     if "name" in given and merged.name != tenant.name:
         await _check_name_free(session, merged.name)
+    stored = merged.model_dump()
     for field in given:
-        setattr(tenant, field, getattr(merged, field))
+        setattr(tenant, field, stored[field])
     await _flush_or_name_taken(session, merged.name)
     return TenantOut.model_validate(tenant)
 

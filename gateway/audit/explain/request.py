@@ -19,6 +19,7 @@ TRIVIAL_S = 0.001  # a wait for the next step shorter than this gets no sentence
 REFUSALS = {reason: refusal.phrase for reason, refusal in LIMIT_REFUSALS.items()} | {
     "overloaded": "the server being overloaded or shutting down",
     "validation": "an invalid request",
+    "scope": "the key's scopes (a model or endpoint it may not use)",
 }
 ENDINGS = {
     "aborted": "was aborted when the client went away",
@@ -130,11 +131,22 @@ def accounting(sequences, delays: list[Delay], totals: list[float], record) -> s
     return "In total, " + "; ".join(parts) + "."
 
 
+def scope_owner(refused_by: str) -> str:
+    kind, _, rest = refused_by.partition(" ")
+    if kind == "key":
+        return f"key {rest}'s"
+    if rest.startswith("model "):
+        return f"the tenant's per-model ({rest.removeprefix('model ')})"
+    return "the tenant's"
+
+
 def refused_explanation(record: Mapping[str, Any], evs: list[Ev], received: float) -> Explanation:
     reason = record.get("refusal_reason")
     refused = first(evs, ev.REFUSED)
     when = f" after {seconds(refused.time - received)}" if refused else ""
     cause = REFUSALS.get(reason or "", reason or "an unknown reason")
+    if record.get("refused_by"):  # which limit: "key 7", "tenant", "tenant model <name>"
+        cause = cause.replace("the tenant's", scope_owner(record["refused_by"]))
     sentence = f"The request was refused{when} because of {cause}; it never reached the engine."
     if record.get("status") != "rejected":
         sentence = "The request has no engine events: it never reached the engine."
