@@ -9,6 +9,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from pydantic import ValidationError
 from test_replica_apps_support import (
     admin_call,
     complete,
@@ -19,6 +20,8 @@ from test_replica_apps_support import (
     shared_engine,  # noqa: F401 (fixture)
     wait_for,
 )
+
+from gateway.tenancy.key_models import KeyCreate
 
 pytestmark = [pytest.mark.slow]
 
@@ -159,3 +162,15 @@ async def test_the_model_list_shows_only_the_keys_models(two, unique_name, tiny_
         response = await two[1].get("/v1/models", headers={"Authorization": f"Bearer {key['key']}"})
         seen.append([card["id"] for card in (await response.json())["data"]])
     assert seen == [[], [tiny_model_dir.name]]
+
+
+@pytest.mark.parametrize("duration", ["582109w", "100000d", "0d", "30y", "1.5h"])
+def test_a_duration_past_what_a_date_holds_is_refused_as_invalid(duration):
+    with pytest.raises(ValidationError):
+        KeyCreate.model_validate({"duration": duration})
+
+
+def test_the_longest_durations_still_give_a_date():
+    now = datetime.now(timezone.utc)
+    for duration in ("99999d", "9999w", "99999h"):
+        assert KeyCreate.model_validate({"duration": duration}).expiry(now) > now

@@ -26,7 +26,9 @@ from gateway.tenancy.limits import SCRIPT_LIMIT_FIELDS
 EXPIRING_WITHIN = timedelta(days=7)
 
 
-DURATION_PATTERN = r"^[1-9][0-9]{0,5}(s|m|h|d|w)$"  # "30d", "12h", "90m", "45s", "2w"
+# "30d", "12h", "90m", "45s", "2w"; at most 99999 days or 9999 weeks (a date far past that
+# is beyond what a datetime holds)
+DURATION_PATTERN = r"^([1-9][0-9]{0,4}(s|m|h|d)|[1-9][0-9]{0,3}w)$"
 
 
 DURATION_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
