@@ -173,11 +173,9 @@ def engine_flags(config) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def in_process_engine(config) -> AsyncIterator[Any]:
-    from runtime.engine import Engine
     from runtime.engine_client import EngineClient
 
-    engine = EngineClient(await asyncio.to_thread(Engine, config))
-    engine.start()
+    engine = await EngineClient.launch(config)
     try:
         yield engine
     finally:

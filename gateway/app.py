@@ -150,17 +150,14 @@ async def demo_tenant_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
-    from runtime.engine import Engine
     from runtime.engine_client import EngineClient
 
-    engine = await asyncio.to_thread(Engine, app[SETTINGS].engine_config())
-    client = EngineClient(engine)
-    client.start()
+    client = await EngineClient.launch(app[SETTINGS].engine_config())
     app[ENGINE_CLIENT] = client
     log.info(
         "model %s loaded: %d KV blocks",
         ", ".join(client.info.served_model_names),
-        engine.block_manager.num_gpu_blocks,
+        client.info.kv_capacity_tokens // client.info.block_size,
     )
     yield
     await asyncio.to_thread(client.stop)

@@ -4,9 +4,11 @@ thread, and the typed commands it hands over."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
+from runtime import engine_client
 from runtime.config import EngineConfig
 from runtime.engine import Engine, NewRequest, RequestError
 from runtime.engine_client import AbortRequest, EngineClient
@@ -103,3 +105,35 @@ async def test_dynamic_batching_waits_for_its_batch_then_serves(tiny_model_dir):
     kinds = [event.kind for output in outputs for event in output.events]
     assert kinds.index("waiting_for_batch") < kinds.index("scheduled")
     assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == 3
+
+
+async def test_launch_builds_the_engine_on_the_thread_that_steps_it(tiny_model_dir, monkeypatch):
+    built_on, stepped_on = [], set()
+
+    class RecordingEngine(Engine):
+        def __init__(self, config):
+            built_on.append(threading.current_thread())
+            super().__init__(config)
+
+        def step(self):
+            stepped_on.add(threading.current_thread())
+            return super().step()
+
+    monkeypatch.setattr(engine_client, "Engine", RecordingEngine)
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=32)
+    client = await EngineClient.launch(config)
+    try:
+        assert client.is_running and built_on == [client._thread]
+        assert client._thread is not threading.current_thread()
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        outputs = [o async for o in client.submit([1, 2, 3], params)]
+        assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == 3
+        assert stepped_on == {client._thread}
+    finally:
+        await asyncio.to_thread(client.stop)
+    assert not client.is_running
+
+
+async def test_launch_passes_on_a_failed_build():
+    with pytest.raises(Exception, match="no-such-model"):
+        await EngineClient.launch(EngineConfig(model="/no-such-model"))
