@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 from runtime.config import EngineConfig
 from runtime.models.loader import open_model
 from runtime.models.tokenizer import IncrementalDetokenizer
+from runtime.spec.speculator import make_speculator
 from runtime.step.kv_cache import measure_copy_bandwidth
 from runtime.step.model_runner import LaunchedStep, ModelRunner
 from runtime.structured.compiler import PreparedGrammar
@@ -130,6 +132,7 @@ class PipelineStep:
     out: SchedulerOutput
     launched: LaunchedStep
     result: StepResult | None = None  # set when it lands
+    launched_at: float = 0.0  # time.perf_counter() when its launch began
 
 
 class Engine:
@@ -156,8 +159,12 @@ class Engine:
             self.runner.num_cpu_blocks,
             config.enable_prefix_caching,
         )
+        self.speculator = make_speculator(config)  # None: speculation off
         self.scheduler = Scheduler(
-            self._scheduler_config(), self.block_manager, self._measure_costs()
+            self._scheduler_config(),
+            self.block_manager,
+            self._measure_costs(),
+            drafter=self.speculator,
         )
         self.outputs: dict[str, OutputState] = {}  # request id -> what its outputs carried
         self.num_steps = 0
@@ -176,7 +183,9 @@ class Engine:
         )
         config = replace(self.scheduler.config, **config_changes)
         old_scheduler = self.scheduler
-        self.scheduler = Scheduler(config, self.block_manager, old_scheduler.cost_model)
+        self.scheduler = Scheduler(
+            config, self.block_manager, old_scheduler.cost_model, drafter=self.speculator
+        )
         self.scheduler.left_ids += old_scheduler.left_ids  # rows the next step still releases
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -278,9 +287,10 @@ class Engine:
         out = self.scheduler.schedule()
         newest = self.pipeline[-1] if self.pipeline else None
         previous = newest.launched if newest is not None and newest.result is None else None
+        launched_at = time.perf_counter()
         launched = self.runner.launch(out, previous)
         self.scheduler.mark_launched(out)
-        self.pipeline.append(PipelineStep(out, launched))
+        self.pipeline.append(PipelineStep(out, launched, launched_at=launched_at))
         return outputs + self._advance()
 
     def _advance(self, needed_on_host: bool = False) -> list[RequestOutput]:
@@ -292,6 +302,8 @@ class Engine:
                 if not self._should_land(step, age, needed_on_host):
                     continue
                 step.result = self._land(step.out, step.launched)
+                if self.speculator is not None:
+                    self._observe_speculation(step)
             has_outputs = step.result.advanced or step.out.preempted
             if age >= self.output_lag or not has_outputs:
                 outputs += self._build_outputs(step.out, step.result)
@@ -314,6 +326,18 @@ class Engine:
                 self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
         return StepResult(sampled, advanced)
 
+    def _observe_speculation(self, step: PipelineStep) -> None:
+        """The step's measured cost and its rows' acceptance, for the policy and the counters."""
+        out, verified = step.out, step.launched.verified or {}
+        if step.launched.host is not None:
+            num_tokens = out.num_scheduled_tokens + sum(map(len, out.draft_token_ids.values()))
+            seconds = time.perf_counter() - step.launched_at
+            self.speculator.observe_step(len(out.scheduled), num_tokens, seconds)
+        for request, _ in out.scheduled:
+            row = verified.get(request.request_id)
+            if row is not None:
+                self.speculator.observe_row(request, row.num_drafts, row.num_accepted)
+
     def _build_outputs(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs = [
             self._output_for(r, num_kept, *result.sampled[r.request_id])
@@ -329,7 +353,10 @@ class Engine:
         token_ids = token_ids[:num_kept]
         logprobs = [lp for lp in logprobs[:num_kept] if lp is not None]
         detok = self.outputs[request.request_id].detokenizer
-        text = detok.add_tokens(token_ids)
+        if len(token_ids) > 1 and detok.stop:  # an accepted run of drafts: a stop may cut it
+            text, token_ids = self._detokenize_run(request, detok, token_ids)
+        else:
+            text = detok.add_tokens(token_ids)
         if detok.stop_hit is not None and not request.is_finished:
             request.stop_reason = detok.stop_hit
             self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
@@ -339,6 +366,26 @@ class Engine:
         if request.is_finished:
             return self._finish_output(request, token_ids, text, logprobs)
         return self._make_output(request, token_ids, text, logprobs)
+
+    def _detokenize_run(self, request: Request, detok, token_ids: list[int]):
+        """Several tokens of one step, one at a time: where a stop string ends, the tokens
+        after it were never produced (as without speculation) and leave the request."""
+        text = ""
+        for num_read, token_id in enumerate(token_ids, start=1):
+            text += detok.add_tokens([token_id])
+            if detok.stop_hit is not None:
+                break
+        if num_read < len(token_ids):
+            del request.output_token_ids[num_read - len(token_ids) :]
+            if request.is_finished:  # by a later token: the stop string came first
+                self._restate_finish(request, detok.stop_hit)
+        return text, token_ids[:num_read]
+
+    def _restate_finish(self, request: Request, stop_string: str) -> None:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.finish_reason, request.stop_reason = "stop", stop_string
+        finished = request.events[-1]
+        finished.data.update(reason="stop", num_output_tokens=request.num_output_tokens)
 
     def _event_only_outputs(self, out, done: set[str]) -> list[RequestOutput]:
         """Requests preempted this step get an output carrying their new events."""
@@ -373,6 +420,8 @@ class Engine:
         next step's SchedulerOutput lists it as finished)."""
         output = self._make_output(request, token_ids, text, logprobs)
         self.outputs.pop(request.request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
         if request.sampling_params.grammar is not None:
             self.structured.release(request.request_id)
         return output
