@@ -31,6 +31,7 @@ from typing import Any
 from runtime.config import EngineConfig
 from runtime.models.loader import open_model
 from runtime.models.tokenizer import IncrementalDetokenizer
+from runtime.spec.runs import detokenize_run
 from runtime.spec.speculator import make_speculator
 from runtime.step.kv_cache import measure_copy_bandwidth
 from runtime.step.model_runner import LaunchedStep, ModelRunner
@@ -303,7 +304,7 @@ class Engine:
                     continue
                 step.result = self._land(step.out, step.launched)
                 if self.speculator is not None:
-                    self._observe_speculation(step)
+                    self.speculator.observe_step(step.out, step.launched, step.launched_at)
             has_outputs = step.result.advanced or step.out.preempted
             if age >= self.output_lag or not has_outputs:
                 outputs += self._build_outputs(step.out, step.result)
@@ -326,18 +327,6 @@ class Engine:
                 self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
         return StepResult(sampled, advanced)
 
-    def _observe_speculation(self, step: PipelineStep) -> None:
-        """The step's measured cost and its rows' acceptance, for the policy and the counters."""
-        out, verified = step.out, step.launched.verified or {}
-        if step.launched.host is not None:
-            num_tokens = out.num_scheduled_tokens + sum(map(len, out.draft_token_ids.values()))
-            seconds = time.perf_counter() - step.launched_at
-            self.speculator.observe_step(len(out.scheduled), num_tokens, seconds)
-        for request, _ in out.scheduled:
-            row = verified.get(request.request_id)
-            if row is not None:
-                self.speculator.observe_row(request, row.num_drafts, row.num_accepted)
-
     def _build_outputs(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs = [
             self._output_for(r, num_kept, *result.sampled[r.request_id])
@@ -354,7 +343,7 @@ class Engine:
         logprobs = [lp for lp in logprobs[:num_kept] if lp is not None]
         detok = self.outputs[request.request_id].detokenizer
         if len(token_ids) > 1 and detok.stop:  # an accepted run of drafts: a stop may cut it
-            text, token_ids = self._detokenize_run(request, detok, token_ids)
+            text, token_ids = detokenize_run(request, detok, token_ids)
         else:
             text = detok.add_tokens(token_ids)
         if detok.stop_hit is not None and not request.is_finished:
@@ -366,26 +355,6 @@ class Engine:
         if request.is_finished:
             return self._finish_output(request, token_ids, text, logprobs)
         return self._make_output(request, token_ids, text, logprobs)
-
-    def _detokenize_run(self, request: Request, detok, token_ids: list[int]):
-        """Several tokens of one step, one at a time: where a stop string ends, the tokens
-        after it were never produced (as without speculation) and leave the request."""
-        text = ""
-        for num_read, token_id in enumerate(token_ids, start=1):
-            text += detok.add_tokens([token_id])
-            if detok.stop_hit is not None:
-                break
-        if num_read < len(token_ids):
-            del request.output_token_ids[num_read - len(token_ids) :]
-            if request.is_finished:  # by a later token: the stop string came first
-                self._restate_finish(request, detok.stop_hit)
-        return text, token_ids[:num_read]
-
-    def _restate_finish(self, request: Request, stop_string: str) -> None:
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.finish_reason, request.stop_reason = "stop", stop_string
-        finished = request.events[-1]
-        finished.data.update(reason="stop", num_output_tokens=request.num_output_tokens)
 
     def _event_only_outputs(self, out, done: set[str]) -> list[RequestOutput]:
         """Requests preempted this step get an output carrying their new events."""

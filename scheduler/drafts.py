@@ -72,7 +72,9 @@ def max_drafts(request: Request, max_model_len: int) -> int:
 
 def slots_left(request: Request, block_manager: BlockManager) -> int:
     """Draft positions the request's blocks and the free blocks hold after its next token."""
-    num_slots = (len(request.block_ids) + block_manager.num_free_gpu_blocks) * block_manager.block_size
+    num_slots = (
+        len(request.block_ids) + block_manager.num_free_gpu_blocks
+    ) * block_manager.block_size
     return max(0, num_slots - request.num_computed_tokens - 1)
 
 

@@ -4,6 +4,7 @@ cost, each verified row's acceptance, the counters)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from runtime.spec.policy import AcceptanceTracker, RowCandidate, SpeculationPolicy, StepCostModel
 from runtime.spec.proposer import NgramConfig, NgramProposer
 from runtime.spec.stats import SpecDecodeStats
+from scheduler.output import SchedulerOutput
 from scheduler.request import Request, SamplingParams
 
 
@@ -56,8 +58,18 @@ class Speculator:
         return drafts
 
     # ---- fed back by the engine ---------------------------------------------------------------
-    def observe_step(self, num_rows: int, num_tokens: int, seconds: float) -> None:
-        self.policy.cost.observe(num_rows, num_tokens, seconds)
+    def observe_step(self, out: SchedulerOutput, launched, launched_at: float) -> None:
+        """A landed step (launched: runtime.step.model_runner.LaunchedStep, launched at
+        time.perf_counter() launched_at): its measured cost and its rows' acceptance."""
+        verified = launched.verified or {}
+        if launched.host is not None:
+            num_tokens = out.num_scheduled_tokens + sum(map(len, out.draft_token_ids.values()))
+            seconds = time.perf_counter() - launched_at
+            self.policy.cost.observe(len(out.scheduled), num_tokens, seconds)
+        for request, _ in out.scheduled:
+            row = verified.get(request.request_id)
+            if row is not None:
+                self.observe_row(request, row.num_drafts, row.num_accepted)
 
     def observe_row(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         self.policy.observe(request.request_id, num_drafts, num_accepted)

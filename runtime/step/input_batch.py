@@ -98,7 +98,9 @@ class InputBatch:
                 start = state.num_tokens
                 state.num_tokens += len(append.token_ids)
                 if state.num_tokens > self.max_model_len:
-                    raise ValueError(f"{state.request_id} has more than {self.max_model_len} tokens")
+                    raise ValueError(
+                        f"{state.request_id} has more than {self.max_model_len} tokens"
+                    )
                 rows += [row] * len(append.token_ids)
                 columns += range(start, state.num_tokens)
                 token_ids += append.token_ids

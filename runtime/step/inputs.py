@@ -167,7 +167,9 @@ def _verify_index(ends, num_drafts, order, scheduled) -> tuple[torch.Tensor, lis
     drafted = (num_drafts > 0).nonzero().flatten()  # [num_drafted]
     counts = num_drafts[drafted] + 1
     starts = ends[drafted] - counts
-    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+        counts.cumsum(0) - counts, counts
+    )
     index = torch.repeat_interleave(starts, counts) + offsets
     order_list = order.tolist()
     request_ids = [scheduled[order_list[s]][0].request_id for s in drafted.tolist()]
