@@ -387,10 +387,10 @@ class Engine:
     def _finish_output(self, request: Request, token_ids, text, logprobs=()) -> RequestOutput:
         """The request's last output; the engine's state of it goes (the runner's goes when the
         next step's SchedulerOutput lists it as finished)."""
+        if self.speculator is not None:
+            self.speculator.finish(request)
         output = self._make_output(request, token_ids, text, logprobs)
         self.outputs.pop(request.request_id, None)
-        if self.speculator is not None:
-            self.speculator.release(request.request_id)
         if request.sampling_params.grammar is not None:
             self.structured.release(request.request_id)
         return output

@@ -120,6 +120,10 @@ def test_drafts_never_enter_the_prefix_cache_and_give_rejected_slots_back(drafti
     hashes = {h for h in bm.block_hash if h is not None}
     assert len(hashes) == len(bm.cached_blocks)
     assert request.num_draft_tokens > 0
+    finished = request.events[-1]  # the audit trail's counts
+    assert finished.kind == "finished"
+    assert finished.data["num_draft_tokens"] == request.num_draft_tokens
+    assert finished.data["num_accepted_tokens"] == request.num_accepted_tokens
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

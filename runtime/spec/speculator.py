@@ -77,8 +77,15 @@ class Speculator:
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
 
-    def release(self, request_id: str) -> None:
-        self.policy.acceptance.release(request_id)
+    def finish(self, request: Request) -> None:
+        """A request's last output: its acceptance is forgotten, and its audit trail's last
+        event (finished or aborted) carries its drafted and accepted token counts."""
+        self.policy.acceptance.release(request.request_id)
+        if request.num_draft_tokens and request.events:
+            request.events[-1].data.update(
+                num_draft_tokens=request.num_draft_tokens,
+                num_accepted_tokens=request.num_accepted_tokens,
+            )
 
 
 def history_of(request: Request) -> np.ndarray:
