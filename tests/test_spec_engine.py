@@ -246,3 +246,14 @@ def accept_if_possible(self, p, row):
     generator = self._generator(row, p.device)
     last = int(torch.multinomial(p[accepted], 1, generator=generator))
     return accepted, [*drafts[:accepted], last]
+
+
+def test_bench_offline_reports_acceptance_and_the_k_chosen(drafting):
+    from benchmarks.offline import spec_decode_line
+
+    drafting.speculator.reset_stats()
+    outputs(drafting, PROMPTS[:2], [greedy(16), greedy(16)])
+    summary = drafting.speculator.summary()
+    assert summary["num_drafts"] > 0 and 0 < summary["acceptance_rate"] <= 1
+    assert summary["mean_accepted_length"] > 1 and 4 in summary["num_rows_per_k"]
+    assert "acceptance" in spec_decode_line("conveyor_continuous", summary)

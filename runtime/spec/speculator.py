@@ -77,6 +77,22 @@ class Speculator:
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
 
+    def reset_stats(self) -> None:
+        """Benchmarks: count from here (the Prometheus counters never go back)."""
+        self.stats = SpecDecodeStats(self.config.num_speculative_tokens)
+        self.num_rows_per_k = {}
+
+    def summary(self) -> dict:
+        """What `bench offline` reports: acceptance, mean accepted length, the k chosen."""
+        return {
+            "acceptance_rate": self.stats.acceptance_rate,
+            "mean_accepted_length": self.stats.mean_accepted_length,
+            "num_drafts": self.stats.num_drafts,
+            "num_draft_tokens": self.stats.num_draft_tokens,
+            "num_accepted_tokens": self.stats.num_accepted_tokens,
+            "num_rows_per_k": dict(sorted(self.num_rows_per_k.items())),
+        }
+
     def finish(self, request: Request) -> None:
         """A request's last output: its acceptance is forgotten, and its audit trail's last
         event (finished or aborted) carries its drafted and accepted token counts."""
