@@ -101,6 +101,8 @@ class KVWasteTracker:
 # ---- Conveyor -------------------------------------------------------------------------------
 def run_conveyor(engine, workload: Workload, policy: str) -> tuple[SystemRun, list, KVWasteTracker]:
     engine.reset_scheduler(policy=policy)
+    if engine.speculator is not None:
+        engine.speculator.reset_stats()
     tracker = KVWasteTracker(engine.block_manager)
     step_seconds = []
     start = time.perf_counter()
@@ -128,6 +130,8 @@ def run_conveyor(engine, workload: Workload, policy: str) -> tuple[SystemRun, li
         / max(len(step_seconds), 1),
         "num_preemptions": dict(engine.scheduler.num_preemptions),
     }
+    if engine.speculator is not None:
+        details["spec_decode"] = engine.speculator.summary()
     run = SystemRun(f"conveyor_{policy}", seconds, output_tokens, details, bound)
     return run, requests, tracker
 
@@ -360,6 +364,9 @@ def print_offline_report(result: dict) -> None:
         f"({kv['peak_allocated_blocks']} of {kv['num_gpu_blocks']} blocks), "
         f"mean {100 * kv['mean_waste']:.2f}%"
     )
+    for name, system in result["systems"].items():
+        if "spec_decode" in system:
+            print(spec_decode_line(name, system["spec_decode"]))
     for name, reason in result.get("unavailable", {}).items():
         print(f"{name}: cannot run here: {reason}")
     for number, entry in enumerate(result["paired_rounds"], start=1):
@@ -374,3 +381,12 @@ def print_offline_report(result: dict) -> None:
         shown = "-" if value is None else f"{value:.3g}"
         verdict = "" if met is None else ("met" if met else "MISSED")
         print(f"target {name}: {TARGETS[name]}, measured {shown} {verdict}")
+
+
+def spec_decode_line(name: str, spec: dict) -> str:
+    ks = ", ".join(f"k={k}: {n}" for k, n in spec["num_rows_per_k"].items())
+    return (
+        f"{name} speculation: acceptance {100 * spec['acceptance_rate']:.1f}%, mean accepted "
+        f"length {spec['mean_accepted_length']:.2f} over {spec['num_drafts']} drafted rows; "
+        f"k chosen per decode row: {ks or 'none'}"
+    )

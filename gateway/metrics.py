@@ -17,6 +17,8 @@ takes first (`EngineClient.snapshot`, copied on the engine thread between two st
     conveyor:e2e_request_latency_seconds, request_queue_time_seconds   histograms
     conveyor:rate_limited_total{tenant,reason}                 counter (refusals by reason)
     conveyor:tenant_tokens_total{tenant,kind}                  counter (kind: prompt | completion)
+    conveyor:spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total,
+    conveyor:spec_decode_num_accepted_tokens_per_pos_total{position}   counters (speculation on)
 """
 
 from __future__ import annotations
@@ -215,6 +217,8 @@ class EngineCollector:
         for mode, count in snapshot.num_preemptions.items():
             preemptions.add_metric([mode], count)
         yield preemptions
+        if snapshot.spec_decode is not None:
+            yield from spec_decode_counters(snapshot.spec_decode)
 
     def waiting_by_priority(self, waiting) -> GaugeMetricFamily:
         counts = collections.Counter(request.priority for request in waiting)
@@ -239,6 +243,31 @@ def cache_config_info(block_size: int, num_gpu_blocks: int) -> GaugeMetricFamily
     )
     family.add_metric([str(block_size), str(num_gpu_blocks)], 1)
     return family
+
+
+def spec_decode_counters(snapshot: dict):
+    """Speculative decoding's counters, named as vLLM's (runtime.spec.stats)."""
+    from runtime.spec import stats
+
+    yield CounterMetricFamily(
+        stats.NUM_DRAFTS, "Rows verified with drafts.", value=snapshot[stats.NUM_DRAFTS]
+    )
+    yield CounterMetricFamily(
+        stats.NUM_DRAFT_TOKENS, "Draft tokens verified.", value=snapshot[stats.NUM_DRAFT_TOKENS]
+    )
+    yield CounterMetricFamily(
+        stats.NUM_ACCEPTED_TOKENS,
+        "Draft tokens accepted.",
+        value=snapshot[stats.NUM_ACCEPTED_TOKENS],
+    )
+    per_position = CounterMetricFamily(
+        stats.NUM_ACCEPTED_TOKENS_PER_POS,
+        "Draft tokens accepted, by position (0: the first draft).",
+        labels=["position"],
+    )
+    for position, count in enumerate(snapshot[stats.NUM_ACCEPTED_TOKENS_PER_POS]):
+        per_position.add_metric([str(position)], count)
+    yield per_position
 
 
 def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

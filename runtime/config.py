@@ -7,7 +7,7 @@ import argparse
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from runtime.flags import add_flags, model_values
@@ -102,6 +102,20 @@ class EngineConfig(BaseModel):
         "decodes read them on the device), building step N's outputs meanwhile; auto: on CUDA",
     )
 
+    speculative: Literal["off", "ngram", "draft"] = Field(
+        "off",
+        description="speculative decoding: ngram (prompt lookup) or draft (a small model, "
+        "--draft-model); each request's k is chosen from its measured acceptance",
+    )
+    num_speculative_tokens: int = Field(
+        5, ge=1, le=16, description="speculative decoding: the most drafts a row verifies"
+    )
+    ngram_min: int = Field(1, ge=1, description="prompt lookup: the shortest n-gram matched")
+    ngram_max: int = Field(4, ge=1, description="prompt lookup: the longest n-gram matched")
+    draft_model: str | None = Field(
+        None, description="--speculative draft: the draft model (HF dir or .gguf)"
+    )
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -133,6 +147,14 @@ class EngineConfig(BaseModel):
         if isinstance(value, str):
             return value.replace(",", " ").split() or None
         return value
+
+    @model_validator(mode="after")
+    def check_speculation(self) -> EngineConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("--ngram-min must not exceed --ngram-max")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("--speculative draft needs --draft-model")
+        return self
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +31,8 @@ from typing import Any
 from runtime.config import EngineConfig
 from runtime.models.loader import open_model
 from runtime.models.tokenizer import IncrementalDetokenizer
+from runtime.spec.runs import detokenize_run
+from runtime.spec.speculator import make_speculator
 from runtime.step.kv_cache import measure_copy_bandwidth
 from runtime.step.model_runner import LaunchedStep, ModelRunner
 from runtime.structured.compiler import PreparedGrammar
@@ -130,6 +133,7 @@ class PipelineStep:
     out: SchedulerOutput
     launched: LaunchedStep
     result: StepResult | None = None  # set when it lands
+    launched_at: float = 0.0  # time.perf_counter() when its launch began
 
 
 class Engine:
@@ -156,8 +160,12 @@ class Engine:
             self.runner.num_cpu_blocks,
             config.enable_prefix_caching,
         )
+        self.speculator = make_speculator(config)  # None: speculation off
         self.scheduler = Scheduler(
-            self._scheduler_config(), self.block_manager, self._measure_costs()
+            self._scheduler_config(),
+            self.block_manager,
+            self._measure_costs(),
+            drafter=self.speculator,
         )
         self.outputs: dict[str, OutputState] = {}  # request id -> what its outputs carried
         self.num_steps = 0
@@ -176,7 +184,9 @@ class Engine:
         )
         config = replace(self.scheduler.config, **config_changes)
         old_scheduler = self.scheduler
-        self.scheduler = Scheduler(config, self.block_manager, old_scheduler.cost_model)
+        self.scheduler = Scheduler(
+            config, self.block_manager, old_scheduler.cost_model, drafter=self.speculator
+        )
         self.scheduler.left_ids += old_scheduler.left_ids  # rows the next step still releases
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -278,9 +288,10 @@ class Engine:
         out = self.scheduler.schedule()
         newest = self.pipeline[-1] if self.pipeline else None
         previous = newest.launched if newest is not None and newest.result is None else None
+        launched_at = time.perf_counter()
         launched = self.runner.launch(out, previous)
         self.scheduler.mark_launched(out)
-        self.pipeline.append(PipelineStep(out, launched))
+        self.pipeline.append(PipelineStep(out, launched, launched_at=launched_at))
         return outputs + self._advance()
 
     def _advance(self, needed_on_host: bool = False) -> list[RequestOutput]:
@@ -292,6 +303,8 @@ class Engine:
                 if not self._should_land(step, age, needed_on_host):
                     continue
                 step.result = self._land(step.out, step.launched)
+                if self.speculator is not None:
+                    self.speculator.observe_step(step.out, step.launched, step.launched_at)
             has_outputs = step.result.advanced or step.out.preempted
             if age >= self.output_lag or not has_outputs:
                 outputs += self._build_outputs(step.out, step.result)
@@ -329,7 +342,10 @@ class Engine:
         token_ids = token_ids[:num_kept]
         logprobs = [lp for lp in logprobs[:num_kept] if lp is not None]
         detok = self.outputs[request.request_id].detokenizer
-        text = detok.add_tokens(token_ids)
+        if len(token_ids) > 1 and detok.stop:  # an accepted run of drafts: a stop may cut it
+            text, token_ids = detokenize_run(request, detok, token_ids)
+        else:
+            text = detok.add_tokens(token_ids)
         if detok.stop_hit is not None and not request.is_finished:
             request.stop_reason = detok.stop_hit
             self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)
@@ -371,6 +387,8 @@ class Engine:
     def _finish_output(self, request: Request, token_ids, text, logprobs=()) -> RequestOutput:
         """The request's last output; the engine's state of it goes (the runner's goes when the
         next step's SchedulerOutput lists it as finished)."""
+        if self.speculator is not None:
+            self.speculator.finish(request)
         output = self._make_output(request, token_ids, text, logprobs)
         self.outputs.pop(request.request_id, None)
         if request.sampling_params.grammar is not None:

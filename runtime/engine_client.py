@@ -121,6 +121,7 @@ class EngineSnapshot:
     num_preemptions: dict[str, int]
     num_steps: int
     mean_step_time_s: float | None
+    spec_decode: dict | None = None  # runtime.spec.stats snapshot; None: speculation off
 
     @property
     def gpu_kv_usage(self) -> float:
@@ -153,6 +154,7 @@ class EngineSnapshot:
             num_preemptions=dict(scheduler.num_preemptions),
             num_steps=engine.num_steps,
             mean_step_time_s=sum(step_times) / len(step_times) if step_times else None,
+            spec_decode=engine.speculator.stats.snapshot() if engine.speculator else None,
         )
 
 

@@ -144,6 +144,17 @@ class BlockManager:
         request.block_ids = []
         self.free_cpu(request)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past its first num_tokens tokens (rejected drafts' slots:
+        never hashed), first in line to be reused."""
+        num_kept = self.num_blocks_for(num_tokens)
+        for block_id in request.block_ids[num_kept:]:
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_blocks[block_id] = None
+                self.free_blocks.move_to_end(block_id, last=False)
+        del request.block_ids[num_kept:]
+
     def free_cpu(self, request: Request) -> None:
         self.free_cpu_blocks.extend(reversed(request.cpu_block_ids))
         request.cpu_block_ids = []

@@ -32,6 +32,7 @@ class RowAppend:
     request_id: str
     token_ids: list[int]  # output tokens appended since (not the pending one: it is on the device)
     block_ids: list[int]  # blocks allocated since
+    first_block: int  # the row's table column of block_ids[0] (fewer than it holds after a trim)
 
 
 @dataclass
@@ -45,6 +46,8 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since
     new_rows: list[NewRow] = field(default_factory=list)
     appends: list[RowAppend] = field(default_factory=list)
+    # speculative decoding: a steady decode's drafts, verified as extra query positions
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_scheduled_tokens(self) -> int:

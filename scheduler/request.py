@@ -187,6 +187,9 @@ class Request:
     preempted_mode: str | None = None  # "swap" or "recompute" while preempted
     admitted_priority: int | None = None  # effective (aged) priority when last admitted
     wait_reason: str | None = None  # last recorded reason it could not be scheduled
+    # speculative decoding: drafts verified for it, and how many were accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

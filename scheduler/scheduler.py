@@ -20,6 +20,7 @@ from scheduler import events as ev
 from scheduler.admission import LineAdmission
 from scheduler.block_manager import BlockManager
 from scheduler.config import BATCH_POLICIES, PreemptionCostModel, SchedulerConfig
+from scheduler.drafts import Drafter, land_drafts, schedule_drafts
 from scheduler.output import RowAppend, SchedulerOutput, new_row
 from scheduler.preemption import Preemption
 from scheduler.request import Request, RequestStatus
@@ -81,6 +82,7 @@ class Scheduler(LineAdmission):
         block_manager: BlockManager,
         cost_model: PreemptionCostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -92,6 +94,7 @@ class Scheduler(LineAdmission):
         self.swapped: list[Request] = []
         self.order = LineOrder(config)
         self.left_ids: list[str] = []  # requests whose rows left the batch since the last step
+        self.drafter = drafter  # speculative decoding's proposer; None: off
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -151,6 +154,8 @@ class Scheduler(LineAdmission):
         self._schedule_running(out, now)
         if (self.waiting or self.swapped) and self.can_admit(now):
             self._schedule_line(out, now)
+        if self.drafter is not None:
+            schedule_drafts(out, self.drafter, self.block_manager, self.config.max_model_len)
         self._tell_rows(out)
         return out
 
@@ -172,6 +177,7 @@ class Scheduler(LineAdmission):
                         request.request_id,
                         request.output_token_ids[new_outputs:],
                         request.block_ids[request.num_told_blocks :],
+                        request.num_told_blocks,
                     )
                 )
             request.num_told_tokens = request.num_tokens
@@ -353,6 +359,8 @@ class Scheduler(LineAdmission):
                 continue
             request.num_pending_tokens -= 1
             advanced.append((request, self._append_until_stop(request, token_ids)))
+            if request.request_id in out.draft_token_ids:
+                land_drafts(request, len(token_ids), self.block_manager)
         return advanced
 
     def _append_until_stop(self, request: Request, token_ids: list[int]) -> int:

@@ -121,3 +121,19 @@ def test_step_rate_over_a_window():
         rate.sample(num_steps=second * 20, now=float(second))
     assert rate.rate() == 20.0
     assert rate.samples[0][0] >= 18.0  # older samples were dropped
+
+
+def test_spec_decode_counters_only_with_speculation_on():
+    from runtime.spec.stats import SpecDecodeStats
+
+    assert not any("spec_decode" in name for name, _ in samples(Metrics(), fake_snapshot()))
+    stats = SpecDecodeStats(num_speculative_tokens=3)
+    stats.record(3, 2)
+    stats.record(2, 0)
+    snapshot = dataclasses.replace(fake_snapshot(), spec_decode=stats.snapshot())
+    values = samples(Metrics(), snapshot)
+    assert values[("conveyor:spec_decode_num_drafts_total", ())] == 2
+    assert values[("conveyor:spec_decode_num_draft_tokens_total", ())] == 5
+    assert values[("conveyor:spec_decode_num_accepted_tokens_total", ())] == 2
+    per_pos = "conveyor:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [values[(per_pos, (("position", str(p)),))] for p in range(3)] == [1, 1, 0]

@@ -98,11 +98,11 @@ class Sampler:
         for row, request_id, seed in group.seeded:
             # A seeded request draws a whole vocab of noise per token, whatever its candidates.
             token_noise = torch.empty(self.vocab_size, device=device)
-            token_noise.exponential_(generator=self._request_generator(request_id, seed, device))
+            token_noise.exponential_(generator=self.request_generator(request_id, seed, device))
             noise[row] = token_noise if candidate_ids is None else token_noise[candidate_ids[row]]
         if group.num_unseeded:
             shared = torch.empty(group.num_unseeded, probs.shape[1], device=device)
-            shared.exponential_(generator=self._shared_generator(device))
+            shared.exponential_(generator=self.shared_generator(device))
             if group.num_unseeded == probs.shape[0]:
                 noise = shared
             else:
@@ -110,7 +110,7 @@ class Sampler:
         # Exp(1) can return exactly 0; keep the division finite so excluded tokens stay at 0.
         return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
-    def _request_generator(self, request_id: str, seed: int, device) -> torch.Generator:
+    def request_generator(self, request_id: str, seed: int, device) -> torch.Generator:
         generator = self._request_generators.get(request_id)
         if generator is None:
             generator = torch.Generator(device=device)
@@ -118,7 +118,7 @@ class Sampler:
             self._request_generators[request_id] = generator
         return generator
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
+    def shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)

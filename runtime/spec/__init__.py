@@ -4,25 +4,23 @@ rejection sampling (`verify`), the "never a loss" policy that picks each row's k
 measured acceptance and the engine's measured step cost (`policy`), and the counters the
 Prometheus exporter reads (`stats`).
 
-How they plug into the step (the integration after issue 24's pipeline lands):
-- scheduler/: after every normal token is scheduled, the scheduler asks `SpeculationPolicy.choose`
-  for each decoding row's k under the token budget left (never more blocks than are free: a draft
-  never causes a preemption); the proposer fills the drafts; the scheduler output carries
-  `draft_token_ids` per row (new field next to the tokens scheduled per row), and a row's
-  scheduled-token count becomes 1 + k. Draft positions need KV slots, so the block manager
-  allocates blocks for them like a prefill chunk, but they are never hashed into the prefix
-  cache (only blocks full of accepted tokens are).
-- runtime/step/ (input batch, inputs): a row's k drafts are written as k extra query positions
-  after its last token, exactly like a chunk of prefill; `logits_indices` selects k + 1 rows of
-  logits per speculating row, so the sampler sees flat logits [sum(k_i + 1), vocab].
-- runtime/sampling/: rows with drafts go through `verify.verify_drafts` instead of the plain
-  sampler (grammar masks, when present, are applied per draft position first); rows with k = 0
-  take today's path unchanged, so with k = 0 everywhere the step is the same inputs and calls.
-- KV rollback: the scheduler advances a request's computed-token count only by the accepted
-  tokens + 1; the KV written at rejected positions is simply overwritten by the next step, and
-  blocks that now lie wholly past the computed count are freed.
-- The engine feeds `SpecDecodeStats` and `SpeculationPolicy.observe` from each step's result and
-  its measured step time (`StepCostModel.observe`).
+How they plug into the step (`--speculative ngram`; `speculator.Speculator` is the glue):
+- scheduler/drafts.py: after every normal token is scheduled, the steady decodes are offered to
+  the Speculator (the scheduler's `drafter`), which picks each row's k with the policy and fills
+  the drafts with the proposer; drafts take only the budget and free blocks left (never a
+  preemption), travel in `SchedulerOutput.draft_token_ids`, and their blocks are never hashed
+  into the prefix cache; at landing the accepted drafts' KV counts as computed and the blocks
+  past the row's tokens are trimmed.
+- runtime/step: the drafts are written after their row's tokens in the input batch and scored as
+  k extra query positions (the row becomes a prefill-like chunk); `verify_index` picks the k + 1
+  positions per drafted row; the model runner verifies them (greedy: the projection's argmax;
+  else `RejectionSampler`, drawing from the Sampler's generators). k = 0 rows take the plain
+  path, so k = 0 everywhere is the plain step. A step with drafts lands before the next one
+  is scheduled.
+- Rows with penalties, logprobs or a grammar get k = 0 (`speculator.can_speculate`).
+- runs.py: a stop string inside an accepted run cuts it where it ends.
+- The engine feeds the Speculator each landed step (its measured cost, each row's acceptance);
+  its counters go to Prometheus and the finished event of each speculated request.
 
 Must not import: gateway, benchmarks, runtime.step, runtime.engine, runtime.engine_client, runtime.offline
 """

@@ -148,3 +148,16 @@ class SpeculationPolicy:
 
     def _cap(self, row: RowCandidate) -> int:
         return min(self.num_speculative_tokens, row.max_k)
+
+
+class FixedK(SpeculationPolicy):
+    """Every row that may speculate gets k drafts (capped by its max_k), whatever the budget
+    beyond them and the measured costs: tests and experiments, not serving."""
+
+    def __init__(self, k: int):
+        super().__init__(k, StepCostModel(), AcceptanceTracker())
+
+    def choose(
+        self, rows: Sequence[RowCandidate], num_rows: int, num_tokens: int, token_budget_left: int
+    ) -> list[int]:
+        return [self._cap(row) for row in rows]

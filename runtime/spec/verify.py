@@ -47,10 +47,13 @@ class VerifyResult:
 
 
 class RejectionSampler:
-    """Batched verification; owns one generator per seeded request, as the Sampler does."""
+    """Batched verification; owns one generator per seeded request, as the Sampler does, or
+    draws from the engine's Sampler's (`generators`), so that a seeded request's draws form
+    one stream whether a step verifies drafts or samples plainly."""
 
-    def __init__(self, vocab_size: int, seed: int | None = None):
+    def __init__(self, vocab_size: int, seed: int | None = None, generators=None):
         self.vocab_size = vocab_size
+        self.generators = generators  # a runtime.sampling.Sampler, or None: own generators
         self.seed = seed  # seeds the shared generator of unseeded requests; None = random
         self._request_generators: dict[str, torch.Generator] = {}
         self._shared: torch.Generator | None = None
@@ -134,6 +137,10 @@ class RejectionSampler:
 
     def _generator(self, row: VerifyRow, device: torch.device) -> torch.Generator:
         """A seeded request's own generator (same seed, same tokens whatever the batch)."""
+        if self.generators is not None:
+            if row.params.seed is None:
+                return self.generators.shared_generator(device)
+            return self.generators.request_generator(row.request_id, row.params.seed, device)
         if row.params.seed is None:
             if self._shared is None:
                 self._shared = torch.Generator(device=device)

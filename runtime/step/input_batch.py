@@ -98,13 +98,15 @@ class InputBatch:
                 start = state.num_tokens
                 state.num_tokens += len(append.token_ids)
                 if state.num_tokens > self.max_model_len:
-                    raise ValueError(f"{state.request_id} has more than {self.max_model_len} tokens")
+                    raise ValueError(
+                        f"{state.request_id} has more than {self.max_model_len} tokens"
+                    )
                 rows += [row] * len(append.token_ids)
                 columns += range(start, state.num_tokens)
                 token_ids += append.token_ids
                 lengths[row] = state.num_tokens
             if append.block_ids:
-                self._write_blocks(row, state, append.block_ids)
+                self._write_blocks(row, state, append.block_ids, append.first_block)
         if rows:
             self.token_ids[rows, columns] = torch.tensor(token_ids, dtype=torch.int32)
             self.num_tokens[list(lengths)] = torch.tensor(list(lengths.values()))
@@ -120,8 +122,12 @@ class InputBatch:
         state.num_tokens = end
         self.num_tokens[row] = end
 
-    def _write_blocks(self, row: int, state: Row, block_ids: list[int]) -> None:
-        start, end = state.num_blocks, state.num_blocks + len(block_ids)
+    def _write_blocks(
+        self, row: int, state: Row, block_ids: list[int], start: int | None = None
+    ) -> None:
+        """start: the first column written (None: after the row's blocks)."""
+        start = state.num_blocks if start is None else start
+        end = start + len(block_ids)
         if len(block_ids) == 1:  # a decode's new block
             self.block_table[row, start] = block_ids[0]
         else:
@@ -129,6 +135,14 @@ class InputBatch:
         self.updates.block_cells.extend((row, start + i, b) for i, b in enumerate(block_ids))
         state.num_blocks = end
         self.num_blocks[row] = end
+
+    def write_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Speculative drafts go after each row's tokens, not counted as its tokens: the step
+        reads them as extra query positions, and the tokens that land overwrite them."""
+        for request_id, draft in drafts.items():
+            row = self.rows[request_id]
+            start = self.row_state[row].num_tokens
+            self.token_ids[row, start : start + len(draft)] = torch.tensor(draft, dtype=torch.int32)
 
     def remove(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)

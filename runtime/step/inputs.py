@@ -45,6 +45,8 @@ class StepTensors:
     sampling: SamplingIndices
     pending_dst: torch.Tensor | None = None  # [num_pending] tokens not known to the host ...
     pending_src: torch.Tensor | None = None  # ... taken from the previous step's sampled ids
+    # speculative decoding: the k + 1 tokens of each drafted row whose logits are verified
+    verify_index: torch.Tensor | None = None  # [sum(k_i + 1)]
 
 
 @dataclass
@@ -58,6 +60,7 @@ class HostStep:
     has_grammar: bool  # some sampling row is constrained
     sampling: SamplingPlan | None
     tensors: StepTensors
+    verify_request_ids: list[str] = dataclasses.field(default_factory=list)  # drafted rows
 
 
 @dataclass
@@ -75,9 +78,12 @@ def prepare_host_step(
     scheduled: list[tuple[Request, int]],
     block_size: int,
     previous: HostStep | None = None,
+    drafts: dict[str, list[int]] | None = None,
 ) -> HostStep:
     """previous: the launched step whose sampled tokens have not landed yet (async
-    scheduling); a scheduled token the host does not know is one of them."""
+    scheduling); a scheduled token the host does not know is one of them. drafts: speculative
+    drafts of steady decodes (in the batch's token table after their rows' tokens), which
+    make those rows chunks of k + 1 query positions."""
     rows = torch.tensor([batch.row_of(r.request_id) for r, _ in scheduled], dtype=torch.int64)
     num_new = torch.tensor([n for _, n in scheduled], dtype=torch.int64)  # [num_seqs]
     computed = torch.tensor([r.num_computed_tokens for r, _ in scheduled], dtype=torch.int64)
@@ -85,6 +91,10 @@ def prepare_host_step(
     pending = [r.num_pending_tokens for r, _ in scheduled]
     total = known + torch.tensor(pending, dtype=torch.int64) if any(pending) else known
     is_decode = (num_new == 1) & (computed == total - 1)
+    num_drafts = _num_drafts(scheduled, drafts)  # [num_seqs] or None
+    if num_drafts is not None:
+        is_decode &= num_drafts == 0
+        num_new = num_new + num_drafts
     order = torch.where(is_decode, computed, _LAST).sort(stable=True).indices
     rows, num_new, computed = rows[order], num_new[order], computed[order]
     known, total = known[order], total[order]
@@ -119,8 +129,15 @@ def prepare_host_step(
         param_values=torch.tensor(updates.params, dtype=torch.float64).view(-1, NUM_PARAMS),
         sampling=sampling,
     )
+    verify_ids = []
+    if num_drafts is not None:
+        num_drafts = num_drafts[order]
+        tensors.verify_index, verify_ids = _verify_index(ends, num_drafts, order, scheduled)
     if any(pending):
-        unknown = (positions >= known[seq_of_token]).nonzero().flatten()  # [num_unknown]
+        unknown = positions >= known[seq_of_token]
+        if num_drafts is not None:  # draft positions are known: they follow known tokens
+            unknown &= positions < total[seq_of_token]
+        unknown = unknown.nonzero().flatten()  # [num_unknown]
         order_list = order.tolist()
         owners = [scheduled[order_list[s]][0] for s in seq_of_token[unknown].tolist()]
         tensors.pending_dst = unknown
@@ -133,7 +150,30 @@ def prepare_host_step(
         has_grammar=any(state.has_grammar for state in sample_states),
         sampling=plan,
         tensors=tensors,
+        verify_request_ids=verify_ids,
     )
+
+
+def _num_drafts(scheduled: list[tuple[Request, int]], drafts) -> torch.Tensor | None:
+    if not drafts:
+        return None
+    counts = [len(drafts.get(r.request_id, ())) for r, _ in scheduled]
+    return torch.tensor(counts, dtype=torch.int64)
+
+
+def _verify_index(ends, num_drafts, order, scheduled) -> tuple[torch.Tensor, list[str]]:
+    """The last k + 1 tokens of each drafted row (its last known token and its k drafts), in
+    the flat batch, and the rows' request ids, in batch order."""
+    drafted = (num_drafts > 0).nonzero().flatten()  # [num_drafted]
+    counts = num_drafts[drafted] + 1
+    starts = ends[drafted] - counts
+    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+        counts.cumsum(0) - counts, counts
+    )
+    index = torch.repeat_interleave(starts, counts) + offsets
+    order_list = order.tolist()
+    request_ids = [scheduled[order_list[s]][0].request_id for s in drafted.tolist()]
+    return index, request_ids
 
 
 def _sample_index_in(previous: HostStep | None, owners: list[Request]) -> torch.Tensor:

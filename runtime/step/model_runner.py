@@ -15,6 +15,7 @@ from runtime.models.attention import AttentionBackend, ForwardContext
 from runtime.models.loader import ModelSource, load_model, open_model
 from runtime.sampling.plan import penalty_inputs, unpack
 from runtime.sampling.sampler import Sampler
+from runtime.spec.verify import RejectionSampler, VerifyRow, accept_greedy
 from runtime.step.input_batch import InputBatch
 from runtime.step.inputs import (
     HostStep,
@@ -40,10 +41,20 @@ class LaunchedStep:
     sampled: PendingCopy | None  # ids [num_samples], or packed ids and logprobs, on their way
     token_ids: torch.Tensor | None = None  # [num_samples] the sampled ids, on the device
     needs_host_tokens: bool = False  # its requests' next step needs these tokens on the host
+    verified: dict[str, Verified] | None = None  # speculative rows, verified on the host
 
     @property
     def has_samples(self) -> bool:
         return self.sampled is not None
+
+
+@dataclass(slots=True)
+class Verified:
+    """A drafted row after verification: its accepted drafts and the token after them."""
+
+    token_ids: list[int]
+    num_drafts: int
+    num_accepted: int
 
 
 class ModelRunner:
@@ -64,6 +75,7 @@ class ModelRunner:
         )
         self.kv_cache = self._allocate_kv_cache(config)
         self.sampler = Sampler(self.model_config.vocab_size)
+        self.verifier = RejectionSampler(self.model_config.vocab_size, generators=self.sampler)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.input_batch = InputBatch(
             config.max_num_seqs + 4,  # + 4: rows for the start-up's throw-away requests
@@ -160,15 +172,18 @@ class ModelRunner:
         if not out.scheduled:
             return LaunchedStep(None, None)
         before = previous.host if previous is not None else None
-        host = prepare_host_step(self.input_batch, out.scheduled, self.block_size, before)
+        host = prepare_host_step(
+            self.input_batch, out.scheduled, self.block_size, before, out.draft_token_ids
+        )
         staged = self.staging.stage(host.tensors)
         previous_ids = previous.token_ids if previous is not None else None
         inputs = device_step(self.input_batch, host, staged, previous_ids)
         self.backend.prepare(inputs.attn)
         mask = self._start_grammar_masks(host)  # filled on a worker while the forward runs
         hidden = self._forward(inputs)  # [num_tokens, hidden]
+        verified = self._verify(hidden, host, inputs, out) if host.verify_request_ids else None
         if not host.sample_request_ids:
-            return LaunchedStep(host, None)
+            return LaunchedStep(host, None, verified=verified)
         rows = hidden[inputs.staged.sample_index]  # [num_samples, hidden]: only rows that sample
         if self._can_project_greedy(host, mask):
             result = self.model.compute_greedy_tokens(rows)
@@ -178,12 +193,37 @@ class ModelRunner:
             host,
             copy_to_host(result),
             token_ids=sampled_token_ids(result),
-            needs_host_tokens=mask is not None or host.sampling.has_penalties,
+            needs_host_tokens=mask is not None or host.sampling.has_penalties or bool(verified),
+            verified=verified,
         )
 
+    def _verify(self, hidden, host: HostStep, inputs: StepInputs, out) -> dict[str, Verified]:
+        """Score each drafted row's k + 1 positions and accept its drafts (greedy: exact;
+        random: rejection sampling); waits for the device."""
+        rows = hidden[inputs.staged.verify_index]  # [sum(k_i + 1), hidden]
+        params = {r.request_id: r.sampling_params for r, _ in out.scheduled}
+        verify_rows = [
+            VerifyRow(rid, params[rid], out.draft_token_ids[rid]) for rid in host.verify_request_ids
+        ]
+        if self.model.greedy_projection is not None and all(
+            row.params.is_greedy for row in verify_rows
+        ):
+            greedy_ids = self.model.compute_greedy_tokens(rows).tolist()
+            results = _accept_all_greedy(verify_rows, greedy_ids)
+        else:
+            result = self.verifier.verify(self.model.compute_logits(rows), verify_rows)
+            results = zip(result.num_accepted, result.token_ids)
+        return {
+            row.request_id: Verified(tokens, len(row.draft_token_ids), num_accepted)
+            for row, (num_accepted, tokens) in zip(verify_rows, results)
+        }
+
     def _apply(self, out: SchedulerOutput) -> None:
-        """The scheduler's word: rows leave, join and grow; blocks swap out and in."""
+        """The scheduler's word: rows leave, join and grow (drafts after their tokens); blocks
+        swap out and in."""
         self.input_batch.apply(out)
+        if out.draft_token_ids:
+            self.input_batch.write_drafts(out.draft_token_ids)
         for request_id in out.finished_ids:
             self.sampler.release(request_id)
         if out.blocks_to_swap_out:
@@ -220,16 +260,18 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> dict[str, tuple[list[int], list]]:
         """Wait for a launched step's sampled ids (the step's one copy back) and hand them out."""
+        tokens = {} if step.verified is None else _verified_tokens(step.verified)
         if step.sampled is None:
-            return {}
+            return tokens
         host = step.host
         sampled = unpack(step.sampled.result(), host.sampling)
-        return {
-            request_id: ([token], [logprobs])
+        tokens.update(
+            (request_id, ([token], [logprobs]))
             for request_id, token, logprobs in zip(
                 host.sample_request_ids, sampled.token_ids, sampled.logprobs
             )
-        }
+        )
+        return tokens
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         for graphs in (self.decode_graphs, self.mixed_graphs):
@@ -288,6 +330,19 @@ class ModelRunner:
         self.execute(SchedulerOutput([(request, num_tokens)]))
         self._forget([request])
         return num_tokens / max(time.perf_counter() - start, 1e-9)
+
+
+def _accept_all_greedy(rows: list[VerifyRow], greedy_ids: list[int]) -> list[tuple[int, list]]:
+    results, offset = [], 0
+    for row in rows:
+        end = offset + len(row.draft_token_ids) + 1
+        results.append(accept_greedy(row.draft_token_ids, greedy_ids[offset:end]))
+        offset = end
+    return results
+
+
+def _verified_tokens(verified: dict[str, Verified]) -> dict[str, tuple[list[int], list]]:
+    return {rid: (v.token_ids, [None] * len(v.token_ids)) for rid, v in verified.items()}
 
 
 def sampled_token_ids(result: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""The engine's speculation: the scheduler's drafter (each steady decode's k from the policy,
+its drafts from the proposer) and what the engine feeds back after each step (the measured step
+cost, each verified row's acceptance, the counters)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from runtime.spec.policy import AcceptanceTracker, RowCandidate, SpeculationPolicy, StepCostModel
+from runtime.spec.proposer import NgramConfig, NgramProposer
+from runtime.spec.stats import SpecDecodeStats
+from scheduler.output import SchedulerOutput
+from scheduler.request import Request, SamplingParams
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Rows the verifier serves: no penalties (they depend on the tokens before each position),
+    no logprobs, no grammar (not advanced per draft position yet)."""
+    return (
+        params.grammar is None
+        and params.logprobs is None
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+        and params.repetition_penalty == 1
+    )
+
+
+class Speculator:
+    def __init__(self, config: NgramConfig, policy: SpeculationPolicy | None = None) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config)
+        self.policy = policy or SpeculationPolicy(
+            config.num_speculative_tokens, StepCostModel(), AcceptanceTracker()
+        )
+        self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.num_rows_per_k: dict[int, int] = {}  # the policy's choices, k = 0 included
+
+    # ---- the scheduler's drafter --------------------------------------------------------------
+    def propose(
+        self,
+        rows: Sequence[Request],
+        max_ks: Sequence[int],
+        num_rows: int,
+        num_tokens: int,
+        token_budget_left: int,
+    ) -> list[list[int]]:
+        eligible = [i for i, r in enumerate(rows) if can_speculate(r.sampling_params)]
+        candidates = [RowCandidate(rows[i].request_id, max_ks[i]) for i in eligible]
+        ks = self.policy.choose(candidates, num_rows, num_tokens, token_budget_left)
+        drafts: list[list[int]] = [[] for _ in rows]
+        for i, k in zip(eligible, ks):
+            self.num_rows_per_k[k] = self.num_rows_per_k.get(k, 0) + 1
+            if k > 0:
+                drafts[i] = self.proposer.propose_one(history_of(rows[i]), k).tolist()
+        return drafts
+
+    # ---- fed back by the engine ---------------------------------------------------------------
+    def observe_step(self, out: SchedulerOutput, launched, launched_at: float) -> None:
+        """A landed step (launched: runtime.step.model_runner.LaunchedStep, launched at
+        time.perf_counter() launched_at): its measured cost and its rows' acceptance."""
+        verified = launched.verified or {}
+        if launched.host is not None:
+            num_tokens = out.num_scheduled_tokens + sum(map(len, out.draft_token_ids.values()))
+            seconds = time.perf_counter() - launched_at
+            self.policy.cost.observe(len(out.scheduled), num_tokens, seconds)
+        for request, _ in out.scheduled:
+            row = verified.get(request.request_id)
+            if row is not None:
+                self.observe_row(request, row.num_drafts, row.num_accepted)
+
+    def observe_row(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        self.policy.observe(request.request_id, num_drafts, num_accepted)
+        self.stats.record(num_drafts, num_accepted)
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+
+    def reset_stats(self) -> None:
+        """Benchmarks: count from here (the Prometheus counters never go back)."""
+        self.stats = SpecDecodeStats(self.config.num_speculative_tokens)
+        self.num_rows_per_k = {}
+
+    def summary(self) -> dict:
+        """What `bench offline` reports: acceptance, mean accepted length, the k chosen."""
+        return {
+            "acceptance_rate": self.stats.acceptance_rate,
+            "mean_accepted_length": self.stats.mean_accepted_length,
+            "num_drafts": self.stats.num_drafts,
+            "num_draft_tokens": self.stats.num_draft_tokens,
+            "num_accepted_tokens": self.stats.num_accepted_tokens,
+            "num_rows_per_k": dict(sorted(self.num_rows_per_k.items())),
+        }
+
+    def finish(self, request: Request) -> None:
+        """A request's last output: its acceptance is forgotten, and its audit trail's last
+        event (finished or aborted) carries its drafted and accepted token counts."""
+        self.policy.acceptance.release(request.request_id)
+        if request.num_draft_tokens and request.events:
+            request.events[-1].data.update(
+                num_draft_tokens=request.num_draft_tokens,
+                num_accepted_tokens=request.num_accepted_tokens,
+            )
+
+
+def history_of(request: Request) -> np.ndarray:
+    return np.array(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
+
+
+def make_speculator(config) -> Speculator | None:
+    """config: runtime.config.EngineConfig. None when speculation is off."""
+    if config.speculative == "off":
+        return None
+    if config.speculative != "ngram":
+        raise NotImplementedError(f"--speculative {config.speculative} is not served yet")
+    return Speculator(
+        NgramConfig(config.ngram_min, config.ngram_max, config.num_speculative_tokens)
+    )
