@@ -18,13 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-Q4_0: tl.constexpr = 2
-Q4_1: tl.constexpr = 3
-Q5_0: tl.constexpr = 6
-Q8_0: tl.constexpr = 8
-Q4_K: tl.constexpr = 12
-Q5_K: tl.constexpr = 13
-Q6_K: tl.constexpr = 14
+Q4_0 = tl.constexpr(2)
+Q4_1 = tl.constexpr(3)
+Q5_0 = tl.constexpr(6)
+Q8_0 = tl.constexpr(8)
+Q4_K = tl.constexpr(12)
+Q5_K = tl.constexpr(13)
+Q6_K = tl.constexpr(14)
 # ggml type -> (values, bytes) of one block
 BLOCK_SHAPES = {
     2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176),
@@ -247,12 +247,12 @@ def gguf_tiled(x, blocks, ggml_type, out_features, in_features) -> torch.Tensor:
     if x.shape[0] == 0:
         return out
     block_m = min(64, max(16, triton.next_power_of_2(x.shape[0])))
-    block_n, block_k = 64, 64
+    block_n, block_k = 64, 32  # 64 x 64 x 64 spills registers on sm_90 (ptxas -v)
     grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(out_features, block_n))
     _tiled_kernel[grid](
         x, blocks, out, x.shape[0], out_features, in_features, x.stride(0), blocks.stride(0),
         QTYPE=int(ggml_type), DOT_FP32=_interpreted() or x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8,
     )  # fmt: skip
     return out
 
