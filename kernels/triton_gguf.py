@@ -242,10 +242,10 @@ def gguf_matmul(
 def gguf_tiled(x, blocks, ggml_type, out_features, in_features) -> torch.Tensor:
     """The tiled kernel (gguf_matmul's arguments)."""
     _check(blocks, ggml_type, out_features, in_features)
-    assert x.shape[1] == in_features and x.stride(1) == 1
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
+    assert x.shape[1] == in_features and x.stride(1) == 1
     block_m = min(64, max(16, triton.next_power_of_2(x.shape[0])))
     block_n, block_k = 64, 32  # 64 x 64 x 64 spills registers on sm_90 (ptxas -v)
     grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(out_features, block_n))
@@ -261,6 +261,8 @@ def gguf_gemv(x, blocks, ggml_type, out_features, in_features, num_splits=None) 
     """The split-K GEMV (gguf_matmul's arguments; num_splits None: enough programs to fill the
     GPU). Each split writes float32 partial sums; their sum, cast to x's dtype, is the result."""
     _check(blocks, ggml_type, out_features, in_features)
+    if x.shape[0] == 0:
+        return x.new_empty(0, out_features)
     assert x.shape[1] == in_features and x.stride(1) == 1 and x.shape[0] <= 16
     block_n, block_k = 32, 64
     num_tiles, num_chunks = triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)
@@ -269,8 +271,6 @@ def gguf_gemv(x, blocks, ggml_type, out_features, in_features, num_splits=None) 
     chunks_per_split = triton.cdiv(num_chunks, max(1, min(num_splits, num_chunks)))
     num_splits = triton.cdiv(num_chunks, chunks_per_split)
     partial = torch.empty(num_splits, x.shape[0], out_features, device=x.device)
-    if x.shape[0] == 0:
-        return partial.sum(0).to(x.dtype)
     _gemv_kernel[(num_tiles, num_splits)](
         x, blocks, partial, x.shape[0], out_features, in_features, x.stride(0), blocks.stride(0),
         chunks_per_split * block_k, QTYPE=int(ggml_type),
