@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
@@ -148,5 +150,42 @@ def test_real_tensors_of_every_type_in_the_file(model):
                 rows.shape[1],
             )  # fmt: skip
             assert_matches(y, rows, oracle(blocks, tensor.tensor_type))
-    print(model, sorted(t.name for t in checked))
-    assert {Q.Q4_K, Q.Q6_K} <= checked
+    assert checked == {Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0}
+
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import triton_gguf as g
+ints = dict.fromkeys(("num_rows", "out_features", "in_features", "x_stride", "row_bytes"), "i32")
+kernels = [
+    (g._tiled_kernel, {"x_ptr": "*bf16", "blocks_ptr": "*u8", "out_ptr": "*bf16", **ints},
+     dict(DOT_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), 8),
+    (g._gemv_kernel, {"x_ptr": "*bf16", "blocks_ptr": "*u8", "partial_ptr": "*fp32", **ints,
+     "k_per_split": "i32"}, dict(ROWS=4, BLOCK_N=32, BLOCK_K=64), 4),
+    (g._dequantize_kernel, {"blocks_ptr": "*u8", "out_ptr": "*bf16", "num_rows": "i32",
+     "in_features": "i32", "row_bytes": "i32"}, dict(BLOCK_N=32, BLOCK_K=64), 4),
+]
+for qtype in g.BLOCK_SHAPES:
+    for fn, signature, constants, num_warps in kernels:
+        constants = {**constants, "QTYPE": qtype}
+        signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+        constexprs = {(fn.arg_names.index(k),): v for k, v in constants.items()}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps})
+        assert "cubin" in compiled.asm
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_a_gpu(tmp_path):
+    """The interpreter accepts code that the compiler refuses: compile every kernel for sm_90
+    (no GPU needed) in a process without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
