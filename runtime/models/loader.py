@@ -15,7 +15,7 @@ from runtime.models.config import ModelConfig
 from runtime.models.families import model_class_for
 from runtime.models.gguf_model import quantizable_tensors
 from runtime.models.layers import can_pack
-from runtime.models.quant import FLOAT_TYPES, NATIVE_TYPES
+from runtime.models.quant import FLOAT_TYPES, quantized_kernel_types
 from runtime.models.source import (  # noqa: F401 (the names callers know this module by)
     ModelNotFoundError,
     ModelSource,
@@ -56,17 +56,18 @@ def load_model(
 def _quantizable(source: ModelSource, device: torch.device, quantization: str) -> dict:
     if quantization == "none" or not source.is_gguf:
         return {}
-    if device.type != "cpu":
-        log.info("no %s kernels for GGUF blocks yet: weights dequantized at load", device.type)
+    kernel_types = quantized_kernel_types(device)
+    if not kernel_types:
+        log.info("no %s kernels for GGUF blocks: weights dequantized at load", device.type)
         return {}
-    specs = quantizable_tensors(source.gguf, NATIVE_TYPES)
-    _log_dequantized_types(source)
+    specs = quantizable_tensors(source.gguf, kernel_types)
+    _log_dequantized_types(source, kernel_types)
     return specs
 
 
-def _log_dequantized_types(source: ModelSource) -> None:
+def _log_dequantized_types(source: ModelSource, kernel_types: frozenset) -> None:
     """One line naming the file's quantized types that have no kernel (dequantized at load)."""
     types = {t.tensor_type for t in source.gguf.tensors.values()}
-    slow = sorted(t.name for t in types - NATIVE_TYPES if t not in FLOAT_TYPES)
+    slow = sorted(t.name for t in types - kernel_types if t not in FLOAT_TYPES)
     if slow:
         log.info("%s: no kernel for %s: dequantized at load", source.path.name, ", ".join(slow))

@@ -4,13 +4,15 @@ The raw blocks stay a uint8 tensor [out_features, row_bytes] (a view of the file
 the caller passes one). On CPU with the native kernels built (kernels/native.py) a few rows run
 kernels/cpu/quant_dot.cpp (integer dots, x86) or quant_matmul.cpp (float), which read each weight
 byte once; many rows (prefill) dequantize tiles of output rows and run torch's blocked matmul on
-them. Elsewhere, and for types without a
-kernel, the weight is dequantized with gguf-py (the oracle) and F.linear runs.
+them. On CUDA kernels/triton_gguf.py multiplies (and dequantizes) the blocks; triton is imported
+only there, on first use. Elsewhere, and for types without a kernel, the weight is dequantized
+with gguf-py (the oracle) and F.linear runs.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import warnings
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 Q = gguf.GGMLQuantizationType
 NATIVE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+TRITON_TYPES = NATIVE_TYPES  # kernels/triton_gguf.py's
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel; more dequantize tiles
 TILE_VALUES = 1 << 20  # dequantized values per tile (2 MiB in bfloat16: stays in L2)
@@ -75,6 +78,23 @@ def vector_dequantize() -> bool:
     else quant_matmul.cpp's float32 one, then a cast."""
     ops = native_ops()
     return ops is not None and ops.quant_dequantize_as_available()
+
+
+def quantized_kernel_types(device: torch.device | str) -> frozenset:
+    """The GGUF types a kernel multiplies in their blocks on `device`: weights of these types
+    stay quantized there; the rest are dequantized at load."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return NATIVE_TYPES
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return TRITON_TYPES
+    return frozenset()
+
+
+def _triton_gguf():
+    from kernels import triton_gguf  # imports triton: CUDA only
+
+    return triton_gguf
 
 
 class QuantizedSpec(NamedTuple):
@@ -130,6 +150,10 @@ class QuantizedWeight(nn.Module):
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, in_features] -> [n, out_features] in rows' dtype."""
+        if self.blocks.is_cuda and self.ggml_type in TRITON_TYPES:
+            return _triton_gguf().gguf_matmul(
+                rows, self.blocks, self.ggml_type, self.out_features, self.in_features
+            )
         ops = self._native()
         if ops is not None and rows.shape[0] <= DECODE_ROWS:
             kernel = ops.quant_dot if integer_dots() else ops.quant_matmul
@@ -236,6 +260,9 @@ class QuantizedEmbedding(QuantizedWeight):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        if flat.is_cuda:  # no host sync (CUDA graphs capture it): ids checked as nn.Embedding's
+            picked = self.blocks.index_select(0, flat)
+            return _dequantize_blocks(self, picked, self.dtype).reshape(*ids.shape, -1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
             raise IndexError(f"token id out of range [0, {self.out_features})")
         unique, inverse = torch.unique(flat, return_inverse=True)
@@ -251,6 +278,8 @@ def _dequantize_blocks(
     weight: QuantizedWeight, picked: torch.Tensor, dtype=torch.float32
 ) -> torch.Tensor:
     """[len(picked), in_features] in dtype of picked rows of weight's blocks."""
+    if picked.is_cuda and weight.ggml_type in TRITON_TYPES:
+        return _triton_gguf().gguf_dequantize(picked, weight.ggml_type, weight.in_features, dtype)
     ops = weight._native()
     shape = (int(weight.ggml_type), picked.shape[0], weight.in_features)
     if ops is not None and dtype in (torch.float32, torch.bfloat16) and vector_dequantize():

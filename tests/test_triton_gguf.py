@@ -1,0 +1,191 @@
+"""kernels/triton_gguf.py against its oracle: gguf-py's dequantize, then a float64 matmul.
+
+Weights: gguf-py's quantize of random floats for the types it makes, random blocks with finite
+scales for the K-quants (random bits reach every code path), real tensors from the files (slow).
+With CUDA the kernels run compiled; without it under Triton's interpreter (set before triton is
+first imported, as in test_kernels_triton.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from kernels import triton_gguf  # noqa: E402
+from runtime.models import quant  # noqa: E402
+from runtime.models.quant import random_blocks  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)  # gguf-py's quantize makes these
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = QUANTIZABLE + K_QUANTS
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def quantized(qtype, out_features: int, in_features: int, rng) -> np.ndarray:
+    """[out_features, row_bytes] uint8 blocks of qtype."""
+    if qtype in K_QUANTS:
+        return random_blocks(qtype, out_features, in_features, rng)
+    weights = rng.standard_normal((out_features, in_features)).astype(np.float32)
+    return gguf.quants.quantize(weights, qtype)
+
+
+def oracle(blocks: np.ndarray, qtype) -> torch.Tensor:
+    """[out_features, in_features] float64 by gguf-py."""
+    return torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float64))
+
+
+def inputs(qtype, rows: int, out_features: int, num_blocks: int, dtype, seed: int):
+    """(x [rows, in] in dtype, blocks on DEVICE, the oracle weight, in_features)."""
+    rng = np.random.default_rng(seed)
+    in_features = gguf.GGML_QUANT_SIZES[qtype][0] * num_blocks
+    blocks = quantized(qtype, out_features, in_features, rng)
+    x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32))
+    return x.to(DEVICE, dtype), torch.from_numpy(blocks).to(DEVICE), oracle(blocks, qtype)
+
+
+def assert_matches(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], weight.shape[0])
+    expected = x.double().cpu() @ weight.T
+    error = (y.double().cpu() - expected).norm() / expected.norm()
+    assert error < TOLERANCE[x.dtype], f"relative error {error:.2e} in {x.dtype}"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_is_gguf_py_bit_for_bit(qtype):
+    rng = np.random.default_rng(int(qtype))
+    in_features = gguf.GGML_QUANT_SIZES[qtype][0] * 3
+    blocks = random_blocks(qtype, 37, in_features, rng)
+    values = triton_gguf.gguf_dequantize(
+        torch.from_numpy(blocks).to(DEVICE), qtype, in_features, torch.float32
+    )
+    torch.testing.assert_close(values.cpu().double(), oracle(blocks, qtype), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    ("rows", "dtype", "num_splits"),
+    [(1, torch.float32, None), (3, torch.bfloat16, 2), (4, torch.float16, 3)],
+)
+def test_split_k_gemv_is_the_oracle(qtype, rows, dtype, num_splits):
+    num_blocks = 5 if qtype in QUANTIZABLE else 3  # odd: the last K chunk is part padding
+    x, blocks, weight = inputs(qtype, rows, 37, num_blocks, dtype, seed=rows + int(qtype))
+    y = triton_gguf.gguf_gemv(x, blocks, qtype, 37, x.shape[1], num_splits=num_splits)
+    assert_matches(y, x, weight)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    ("rows", "out_features", "dtype"),
+    [(5, 37, torch.bfloat16), (17, 70, torch.float32), (64, 37, torch.float16)],
+)
+def test_tiled_kernel_is_the_oracle(qtype, rows, out_features, dtype):
+    num_blocks = 3 if qtype in QUANTIZABLE else 2
+    x, blocks, weight = inputs(qtype, rows, out_features, num_blocks, dtype, seed=rows)
+    y = triton_gguf.gguf_tiled(x, blocks, qtype, out_features, x.shape[1])
+    assert_matches(y, x, weight)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 4, 5])
+def test_matmul_picks_the_gemv_for_few_rows(rows, monkeypatch):
+    called = []
+    for name in ("gguf_gemv", "gguf_tiled"):
+        real = getattr(triton_gguf, name)
+        monkeypatch.setattr(triton_gguf, name, lambda *a, real=real, name=name: (
+            called.append(name), real(*a))[1])  # fmt: skip
+    x, blocks, weight = inputs(Q.Q8_0, rows, 20, 2, torch.float32, seed=rows)
+    y = triton_gguf.gguf_matmul(x, blocks, Q.Q8_0, 20, 64)
+    assert called == ["gguf_gemv" if rows <= triton_gguf.GEMV_ROWS else "gguf_tiled"]
+    if rows:
+        assert_matches(y, x, weight)
+    assert y.shape == (rows, 20)
+
+
+def test_kernel_types_per_device(monkeypatch):
+    assert quant.quantized_kernel_types("cpu") == quant.NATIVE_TYPES
+    assert quant.quantized_kernel_types("cuda") == quant.TRITON_TYPES
+    assert quant.quantized_kernel_types("meta") == frozenset()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # triton missing
+    assert quant.quantized_kernel_types("cuda") == frozenset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", (Q.Q4_0, Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
+def test_512_rows_and_a_wider_weight(qtype):
+    x, blocks, weight = inputs(qtype, 512, 130, 4, torch.bfloat16, seed=512)
+    assert_matches(triton_gguf.gguf_matmul(x, blocks, qtype, 130, x.shape[1]), x, weight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen2.5-coder-0.5b-instruct", "gemma-3-270m"])
+def test_real_tensors_of_every_type_in_the_file(model):
+    from runtime.models.catalog import pull
+    from runtime.models.source import known_model_file
+
+    pull(model)
+    checked = set()
+    for tensor in gguf.GGUFReader(known_model_file(model)).tensors:
+        if tensor.tensor_type not in quant.TRITON_TYPES or tensor.tensor_type in checked:
+            continue
+        checked.add(tensor.tensor_type)
+        blocks = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)[:40]  # 40 rows
+        x = torch.randn(3, int(tensor.shape[0]), generator=torch.Generator().manual_seed(1))
+        x = x.to(DEVICE)
+        for rows in (x, x.repeat(6, 1)):  # GEMV, tiled
+            y = triton_gguf.gguf_matmul(
+                rows, torch.from_numpy(blocks.copy()).to(DEVICE), tensor.tensor_type, 40,
+                rows.shape[1],
+            )  # fmt: skip
+            assert_matches(y, rows, oracle(blocks, tensor.tensor_type))
+    assert checked == {Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0}
+
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import triton_gguf as g
+ints = dict.fromkeys(("num_rows", "out_features", "in_features", "x_stride", "row_bytes"), "i32")
+kernels = [
+    (g._tiled_kernel, {"x_ptr": "*bf16", "blocks_ptr": "*u8", "out_ptr": "*bf16", **ints},
+     dict(DOT_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), 8),
+    (g._gemv_kernel, {"x_ptr": "*bf16", "blocks_ptr": "*u8", "partial_ptr": "*fp32", **ints,
+     "k_per_split": "i32"}, dict(ROWS=4, BLOCK_N=32, BLOCK_K=64), 4),
+    (g._dequantize_kernel, {"blocks_ptr": "*u8", "out_ptr": "*bf16", "num_rows": "i32",
+     "in_features": "i32", "row_bytes": "i32"}, dict(BLOCK_N=32, BLOCK_K=64), 4),
+]
+for qtype in g.BLOCK_SHAPES:
+    for fn, signature, constants, num_warps in kernels:
+        constants = {**constants, "QTYPE": qtype}
+        signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+        constexprs = {(fn.arg_names.index(k),): v for k, v in constants.items()}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps})
+        assert "cubin" in compiled.asm
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_a_gpu(tmp_path):
+    """The interpreter accepts code that the compiler refuses: compile every kernel for sm_90
+    (no GPU needed) in a process without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
