@@ -257,3 +257,11 @@ def test_bench_offline_reports_acceptance_and_the_k_chosen(drafting):
     assert summary["num_drafts"] > 0 and 0 < summary["acceptance_rate"] <= 1
     assert summary["mean_accepted_length"] > 1 and 4 in summary["num_rows_per_k"]
     assert "acceptance" in spec_decode_line("conveyor_continuous", summary)
+
+
+def test_the_step_cost_is_learned_from_decode_steps_only(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, None, speculative="ngram", max_batch_tokens=64)
+    samples = engine.speculator.policy.cost.samples
+    engine.generate([list(range(5, 45))], greedy(6))  # a 40-token prefill, then decodes
+    assert samples and all(num_tokens == num_rows for num_rows, num_tokens, _ in samples)
+    assert len(samples) <= 6  # the prefill step (40 tokens) is not among them

@@ -62,7 +62,7 @@ class Speculator:
         """A landed step (launched: runtime.step.model_runner.LaunchedStep, launched at
         time.perf_counter() launched_at): its measured cost and its rows' acceptance."""
         verified = launched.verified or {}
-        if launched.host is not None:
+        if launched.host is not None and is_decode_only(out):
             num_tokens = out.num_scheduled_tokens + sum(map(len, out.draft_token_ids.values()))
             seconds = time.perf_counter() - launched_at
             self.policy.cost.observe(len(out.scheduled), num_tokens, seconds)
@@ -102,6 +102,13 @@ class Speculator:
                 num_draft_tokens=request.num_draft_tokens,
                 num_accepted_tokens=request.num_accepted_tokens,
             )
+
+
+def is_decode_only(out: SchedulerOutput) -> bool:
+    """Every row one new token (drafts aside): the steps drafts ride on. A prefill chunk's
+    thousands of tokens priced the next token of a decode far too cheap (its cost is a matmul's,
+    a decode's is the weights read)."""
+    return out.num_scheduled_tokens == len(out.scheduled)
 
 
 def history_of(request: Request) -> np.ndarray:
