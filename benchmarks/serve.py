@@ -34,15 +34,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from benchmarks.common import save_result
 from benchmarks.serve_metrics import (
     RequestResult,
     percentiles_of,
+    scraped_weight_bytes,
     serving_report,
     summarize,
     throughput_report,
+    weight_reads,
 )
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -52,8 +53,6 @@ MODELS = "/v1/models"
 ENDPOINTS = (COMPLETIONS, CHAT, MODELS)
 HTTP_TIMEOUT_S = 6 * 3600
 DEFAULT_GET_CONCURRENCY = 64
-WEIGHT_BYTES_SERIES = "conveyor:model_weight_bytes_per_token"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Common English words that most BPE vocabularies hold as one token each (with the leading space).
 WORD_LIST = (
     "the of and to in is was for on that with as by at from his her they this had are not but"
@@ -444,42 +443,6 @@ async def run_generation(session, base_url, headers, model, args) -> dict[str, A
     percentiles = percentiles_of(args.metric_percentiles)
     print(serving_report(result, percentiles))
     return result
-
-
-async def scraped_weight_bytes(session, base_url: str) -> int | None:
-    """Conveyor's `conveyor:model_weight_bytes_per_token` from GET /metrics; None where the
-    server has no such series (another engine, or /metrics closed)."""
-    import aiohttp
-
-    try:
-        async with session.get(base_url + "/metrics") as response:
-            text = await response.text() if response.status == 200 else ""
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return None
-    for line in text.splitlines():
-        if line.startswith(WEIGHT_BYTES_SERIES + " "):
-            return int(float(line.split()[1]))
-    return None
-
-
-def weight_reads(weight_bytes: int | None, result: dict, base_url: str) -> dict[str, Any]:
-    """Weight bytes a token and, one step's weights read per median TPOT (a stream's step at
-    concurrency 1), their rate; as a share of this machine's copy bandwidth where the server is
-    on it (a loopback URL)."""
-    tpot_s = result.get("median_tpot_ms", 0) / 1e3
-    if not weight_bytes or tpot_s <= 0:
-        return {"weight_bytes_per_token": weight_bytes}
-    rate = weight_bytes / tpot_s
-    facts = {"weight_bytes_per_token": weight_bytes, "weight_read_gb_s": round(rate / 1e9, 2)}
-    if urlsplit(base_url).hostname in LOOPBACK:
-        import torch
-
-        from benchmarks.bound import measure_copy_bandwidth
-
-        bandwidth = measure_copy_bandwidth(torch.device("cpu"))
-        facts["local_copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
-        facts["share_of_copy_bandwidth"] = round(rate / bandwidth, 3)
-    return facts
 
 
 async def timed_run(send: Send, args, rate: float | None = None, concurrency=None) -> dict:

@@ -1,10 +1,13 @@
 """What `conveyor bench serve` reports: the metrics of its requests (TTFT, ITL, TPOT, E2EL) and the
-report blocks, in `vllm bench serve`'s names and layout."""
+report blocks, in `vllm bench serve`'s names and layout; the weight bytes a Conveyor server reads
+a token, scraped from its /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -134,3 +137,43 @@ def throughput_report(result: dict[str, Any], percentiles: list[float]) -> str:
     statuses = ", ".join(f"{code}: {n}" for code, n in sorted(result["status_codes"].items()))
     lines += [line("HTTP status codes", statuses), "=" * BLOCK_WIDTH]
     return "\n".join(lines)
+
+
+WEIGHT_BYTES_SERIES = "conveyor:model_weight_bytes_per_token"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+async def scraped_weight_bytes(session, base_url: str) -> int | None:
+    """Conveyor's `conveyor:model_weight_bytes_per_token` from GET /metrics; None where the
+    server has no such series (another engine, or /metrics closed)."""
+    import aiohttp
+
+    try:
+        async with session.get(base_url + "/metrics") as response:
+            text = await response.text() if response.status == 200 else ""
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    for line in text.splitlines():
+        if line.startswith(WEIGHT_BYTES_SERIES + " "):
+            return int(float(line.split()[1]))
+    return None
+
+
+def weight_reads(weight_bytes: int | None, result: dict, base_url: str) -> dict[str, Any]:
+    """Weight bytes a token and, one step's weights read per median TPOT (a stream's step at
+    concurrency 1), their rate; as a share of this machine's copy bandwidth where the server is
+    on it (a loopback URL)."""
+    tpot_s = result.get("median_tpot_ms", 0) / 1e3
+    if not weight_bytes or tpot_s <= 0:
+        return {"weight_bytes_per_token": weight_bytes}
+    rate = weight_bytes / tpot_s
+    facts = {"weight_bytes_per_token": weight_bytes, "weight_read_gb_s": round(rate / 1e9, 2)}
+    if urlsplit(base_url).hostname in LOOPBACK:
+        import torch
+
+        from benchmarks.bound import measure_copy_bandwidth
+
+        bandwidth = measure_copy_bandwidth(torch.device("cpu"))
+        facts["local_copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
+        facts["share_of_copy_bandwidth"] = round(rate / bandwidth, 3)
+    return facts
