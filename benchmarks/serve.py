@@ -37,10 +37,12 @@ from typing import Any
 
 from benchmarks.common import save_result
 from benchmarks.serve_metrics import (
+    WEIGHT_BYTES_SERIES,
     RequestResult,
     percentiles_of,
-    scraped_weight_bytes,
+    scrape,
     serving_report,
+    spec_decode_deltas,
     summarize,
     throughput_report,
     weight_reads,
@@ -437,9 +439,12 @@ async def run_generation(session, base_url, headers, model, args) -> dict[str, A
     probe = await send(0)
     if not probe.success:
         raise BenchError(f"initial test request to {url} failed: {probe.error}")
+    before = await scrape(session, base_url)
     result = await timed_run(send, args)
+    after = await scrape(session, base_url)
     result.update(run_info(args, model, base_url))
-    result.update(weight_reads(await scraped_weight_bytes(session, base_url), result, base_url))
+    result.update(weight_reads(after.get(WEIGHT_BYTES_SERIES), result, base_url))
+    result.update(spec_decode_deltas(before, after))
     percentiles = percentiles_of(args.metric_percentiles)
     print(serving_report(result, percentiles))
     return result

@@ -1,10 +1,11 @@
 """What `conveyor bench serve` reports: the metrics of its requests (TTFT, ITL, TPOT, E2EL) and the
-report blocks, in `vllm bench serve`'s names and layout; the weight bytes a Conveyor server reads
-a token, scraped from its /metrics."""
+report blocks, in `vllm bench serve`'s names and layout; what a Conveyor server's /metrics adds
+(the weight bytes it reads a token, its speculative decoding over the run)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -110,6 +111,9 @@ def serving_report(result: dict[str, Any], percentiles: list[float]) -> str:
         lines.append(line("Weight read at median TPOT (GB/s)", result["weight_read_gb_s"]))
     if result.get("share_of_copy_bandwidth") is not None:
         lines.append(line("Share of local copy bandwidth", result["share_of_copy_bandwidth"]))
+    if "spec_decode" in result:
+        lines.append(line("Draft acceptance rate", result["spec_decode"]["acceptance_rate"]))
+        lines.append(line("Mean accepted length", result["spec_decode"]["mean_accepted_length"]))
     for name, title, short in METRICS:
         lines.append(heading(title))
         lines.append(line(f"Mean {short} (ms)", result[f"mean_{name}_ms"]))
@@ -140,28 +144,53 @@ def throughput_report(result: dict[str, Any], percentiles: list[float]) -> str:
 
 
 WEIGHT_BYTES_SERIES = "conveyor:model_weight_bytes_per_token"
+SPEC_DRAFTS = "conveyor:spec_decode_num_drafts_total"  # runtime/spec/stats.py's counters
+SPEC_DRAFT_TOKENS = "conveyor:spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED = "conveyor:spec_decode_num_accepted_tokens_total"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-async def scraped_weight_bytes(session, base_url: str) -> int | None:
-    """Conveyor's `conveyor:model_weight_bytes_per_token` from GET /metrics; None where the
-    server has no such series (another engine, or /metrics closed)."""
+async def scrape(session, base_url: str) -> dict[str, float]:
+    """The unlabelled samples of GET /metrics by name ({} where the server has none: another
+    engine, or /metrics closed)."""
     import aiohttp
 
     try:
         async with session.get(base_url + "/metrics") as response:
             text = await response.text() if response.status == 200 else ""
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return None
+        return {}
+    samples = {}
     for line in text.splitlines():
-        if line.startswith(WEIGHT_BYTES_SERIES + " "):
-            return int(float(line.split()[1]))
-    return None
+        name, _, value = line.partition(" ")
+        if name and not name.startswith("#") and "{" not in name:
+            with contextlib.suppress(ValueError):
+                samples[name] = float(value.split()[0])
+    return samples
+
+
+def spec_decode_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Speculative decoding over the run, from Conveyor's spec_decode counters scraped before
+    and after it; {} where the server has none (speculation off, or another engine)."""
+    names = {"num_drafts": SPEC_DRAFTS, "num_draft_tokens": SPEC_DRAFT_TOKENS,
+             "num_accepted_tokens": SPEC_ACCEPTED}  # fmt: skip
+    if not all(series in after for series in names.values()):
+        return {}
+    counts = {key: int(after[series] - before.get(series, 0)) for key, series in names.items()}
+    drafts, drafted = counts["num_drafts"], counts["num_draft_tokens"]
+    accepted = counts["num_accepted_tokens"]
+    return {
+        "spec_decode": counts
+        | {
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "mean_accepted_length": round(1 + accepted / drafts, 4) if drafts else 0.0,
+        }
+    }
 
 
 def weight_reads(weight_bytes: int | None, result: dict, base_url: str) -> dict[str, Any]:
     """Weight bytes a token and, one step's weights read per median TPOT (a stream's step at
-    concurrency 1), their rate; as a share of this machine's copy bandwidth where the server is
+    concurrency 1, without speculation: with drafts a step yields several tokens), their rate; as a share of this machine's copy bandwidth where the server is
     on it (a loopback URL)."""
     tpot_s = result.get("median_tpot_ms", 0) / 1e3
     if not weight_bytes or tpot_s <= 0:

@@ -20,7 +20,7 @@ from test_server_support import (
 
 from benchmarks.overhead import engine_flags
 from benchmarks.serve import TokenTimer, arrival_gaps, issue, synthetic_requests
-from benchmarks.serve_metrics import RequestResult, summarize
+from benchmarks.serve_metrics import RequestResult, spec_decode_deltas, summarize
 from gateway.cli import build_parser, main
 
 SERVING_KEYS = {
@@ -79,6 +79,18 @@ async def test_issue_sends_each_request_once_within_the_concurrency_limit(rate, 
     results = await issue(12, send, rate, 1.0, limit, random.Random(0))
     assert [r.output_len for r in results] == list(range(12)) and sorted(seen) == list(range(12))
     assert peak <= (limit or 12)
+
+
+def test_speculation_over_the_run_is_the_counters_difference():
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    series = [f"conveyor:spec_decode_{name}_total" for name in names]
+    before = dict(zip(series, (10.0, 40.0, 20.0)))
+    after = dict(zip(series, (30.0, 100.0, 60.0)))
+    spec = spec_decode_deltas(before, after)["spec_decode"]
+    assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (20, 60, 40)
+    assert spec["acceptance_rate"] == pytest.approx(40 / 60, abs=1e-4)
+    assert spec["mean_accepted_length"] == pytest.approx(1 + 40 / 20)
+    assert spec_decode_deltas({}, {"conveyor:num_requests_running": 1.0}) == {}
 
 
 def test_synthetic_prompts_vary_within_the_range():
@@ -146,6 +158,7 @@ def test_bench_serve_streams_completions(tiny_server, bench_key, capsys, tmp_pat
     assert result["model_id"] == tiny_server.args[1].rsplit("/", 1)[-1]
     assert result["weight_bytes_per_token"] > 0  # scraped from the server's /metrics
     assert result["weight_read_gb_s"] > 0 and result["share_of_copy_bandwidth"] > 0
+    assert "spec_decode" not in result  # the server does not speculate
     assert 0 < result["median_ttft_ms"] <= result["median_e2el_ms"]
 
 
