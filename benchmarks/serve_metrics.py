@@ -190,8 +190,8 @@ def spec_decode_deltas(before: dict[str, float], after: dict[str, float]) -> dic
 
 def weight_reads(weight_bytes: int | None, result: dict, base_url: str) -> dict[str, Any]:
     """Weight bytes a token and, one step's weights read per median TPOT (a stream's step at
-    concurrency 1, without speculation: with drafts a step yields several tokens), their rate; as a share of this machine's copy bandwidth where the server is
-    on it (a loopback URL)."""
+    concurrency 1, without speculation: with drafts a step yields several tokens), their rate;
+    as a share of this machine's copy bandwidth where the server is on it (a loopback URL)."""
     tpot_s = result.get("median_tpot_ms", 0) / 1e3
     if not weight_bytes or tpot_s <= 0:
         return {"weight_bytes_per_token": weight_bytes}

@@ -85,8 +85,8 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, bool resid
                   std::vector<float>(rows * blocks), std::vector<float>(rows * blocks * 8)};
   for (int64_t b = 0; b < rows * blocks; ++b) {
     const float* v = x + b * 32;
-    const int8_t* codes = q.codes.data() + b * 32;
-    const float d = quantize_block(v, q.codes.data() + b * 32);
+    int8_t* codes = q.codes.data() + b * 32;
+    const float d = quantize_block(v, codes);
     float represented[32];
     for (int i = 0; i < 32; ++i) represented[i] = d * codes[i];
     q.dot_scales[b] = d;
@@ -320,10 +320,14 @@ void dot_chunk(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRow
   }
 }
 
-void check_dot_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t row_bytes, int64_t out, int64_t in) {
+void check_blocks(const at::Tensor& weight, int64_t row_bytes, int64_t out, const char* op) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
                   weight.numel() == out * row_bytes,
-              "quant_dot: weight must be contiguous uint8 [", out, ", ", row_bytes, "]");
+              op, ": weight must be contiguous uint8 [", out, ", ", row_bytes, "]");
+}
+
+void check_dot_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t row_bytes, int64_t out, int64_t in) {
+  check_blocks(weight, row_bytes, out, "quant_dot");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == in && in % 32 == 0,
               "quant_dot: x [rows, ", in, "], a multiple of 32");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -405,9 +409,7 @@ void dequantize_rows(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t 
 at::Tensor quant_dequantize_as(const at::Tensor& weight, int64_t type, int64_t out, int64_t in,
                                at::ScalarType dtype) {
   const int64_t row_bytes = row_bytes_of(type, in);
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
-                  weight.numel() == out * row_bytes,
-              "quant_dequantize_as: weight must be contiguous uint8 [", out, ", ", row_bytes, "]");
+  check_blocks(weight, row_bytes, out, "quant_dequantize_as");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize_as: float32 or bfloat16");
   at::Tensor y = at::empty({out, in}, weight.options().dtype(dtype));
   if (dtype == at::kFloat) {
@@ -420,11 +422,7 @@ at::Tensor quant_dequantize_as(const at::Tensor& weight, int64_t type, int64_t o
 }
 
 bool quant_dequantize_as_available() { return true; }
-#else
-at::Tensor quant_dequantize_as(const at::Tensor&, int64_t, int64_t, int64_t, at::ScalarType) {
-  TORCH_CHECK(false, "quant_dequantize_as: built without AVX-512");
-}
-bool quant_dequantize_as_available() { return false; }
+#define CONVEYOR_QUANT_DEQUANTIZE_AS 1
 #endif
 
 #else  // no AVX2: quant_matmul's float kernel serves every row count
@@ -435,12 +433,13 @@ at::Tensor quant_dot(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int
 
 bool quant_dot_available() { return false; }
 
+#endif
+
+#ifndef CONVEYOR_QUANT_DEQUANTIZE_AS  // no AVX-512: quant_matmul.cpp's float32 dequantization serves
 at::Tensor quant_dequantize_as(const at::Tensor&, int64_t, int64_t, int64_t, at::ScalarType) {
   TORCH_CHECK(false, "quant_dequantize_as: built without AVX-512");
 }
 bool quant_dequantize_as_available() { return false; }
-
-
 #endif
 
 }  // namespace

@@ -73,10 +73,10 @@ class ModelRunner:
             self.backend,
             config.quantization,
         )
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.kv_cache = self._allocate_kv_cache(config)
         self.sampler = Sampler(self.model_config.vocab_size)
         self.verifier = RejectionSampler(self.model_config.vocab_size, generators=self.sampler)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.input_batch = InputBatch(
             config.max_num_seqs + 4,  # + 4: rows for the start-up's throw-away requests
             self.max_model_len,
@@ -116,13 +116,11 @@ class ModelRunner:
             mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
         )
 
-    def _blocks_in_memory(self, config: EngineConfig) -> int:
+    def _blocks_in_memory(self, config: EngineConfig, swap_bytes: int) -> int:
         if config.kv_cache_memory != AUTO:
             return parse_bytes(config.kv_cache_memory) // self.bytes_per_block
-        swap_bytes = int(config.swap_space * 2**30)
         num_blocks = auto_kv_bytes(self.device, swap_bytes) // self.bytes_per_block
-        max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        most_usable = config.max_num_seqs * -(-max_model_len // self.block_size)
+        most_usable = config.max_num_seqs * -(-self.max_model_len // self.block_size)
         num_blocks = min(num_blocks, most_usable)
         log.info(
             "KV cache: %d blocks (%.2f GiB) from the memory left on %s",
@@ -132,8 +130,9 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, config: EngineConfig) -> KVCache:
         mc = self.model_config
-        num_cpu_blocks = int(config.swap_space * 2**30) // self.bytes_per_block
-        num_blocks = config.num_kv_blocks or self._blocks_in_memory(config)
+        swap_bytes = int(config.swap_space * 2**30)
+        num_cpu_blocks = swap_bytes // self.bytes_per_block
+        num_blocks = config.num_kv_blocks or self._blocks_in_memory(config, swap_bytes)
         if num_blocks < 1:
             raise ValueError("the KV cache must hold at least one block")
         return KVCache(
