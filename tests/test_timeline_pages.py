@@ -263,10 +263,11 @@ def pages(browser):
 def segments_of(page) -> list[dict]:
     """The request's own segments as drawn, read from their data attributes."""
     names = ("kind", "start-s", "end-s", "duration-s", "sentence", "cause", "cause-visible")
-    return [
-        {name: node.get_attribute(f"data-{name}") for name in names}
-        for node in page.locator("#timeline g.subject .seg").all()
-    ]
+    return page.locator("#timeline g.subject .seg").evaluate_all(
+        "(nodes, names) => nodes.map(node =>"
+        " Object.fromEntries(names.map(name => [name, node.getAttribute(`data-${name}`)])))",
+        list(names),
+    )
 
 
 def wait_until(condition, timeout_s: float = 30.0, what: str = "condition"):
@@ -427,7 +428,10 @@ def test_a_person_opens_the_pages_in_a_plain_browser(server, preempted, pages):
 
 
 def rows(page, table: str) -> list[str]:
-    return [row.get_attribute("data-request-id") for row in page.locator(f"{table} tr").all()]
+    # read in one evaluation: a live table re-renders between a locator's listing and its reads
+    return page.locator(f"{table} tr").evaluate_all(
+        "rows => rows.map(row => row.getAttribute('data-request-id'))"
+    )
 
 
 # ---- a hundred at once -------------------------------------------------------------------------
