@@ -23,8 +23,15 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "cpu" / name
-    for name in ("paged_decode.cpp", "greedy_projection.cpp", "quant_matmul.cpp", "quant_dot.cpp")
+    for name in (
+        "paged_decode.cpp",
+        "greedy_projection.cpp",
+        "quant_matmul.cpp",
+        "quant_dot.cpp",
+        "quant_gemm.cpp",
+    )
 )
+HEADERS = tuple(Path(__file__).parent / "cpu" / name for name in ("gguf_blocks.h",))
 LIBRARY = "conveyor_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 
@@ -82,23 +89,26 @@ def _cache_root() -> Path:
 
 def _build_key() -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())
-    digest.update(_cpu_flags().encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
     return digest.hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags as /proc/cpuinfo names them (avx512_bf16, amx_tile, ...);
+    where there is no /proc/cpuinfo, the platform's processor name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return line
+                return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
-    return platform.processor()
+    return frozenset({platform.processor()})
 
 
 if __name__ == "__main__":

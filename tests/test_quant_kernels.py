@@ -92,6 +92,25 @@ def test_integer_dot_is_the_oracle_on_int8_rounded_activations(qtype, rows, dtyp
         torch.testing.assert_close(got, exact, atol=1e-4 * scale, rtol=1e-4)
 
 
+@pytest.mark.skipif(not quant.bf16_tiles(), reason="quant_gemm needs AVX-512 BF16 and no AMX")
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 4, 7, 33])
+def test_bf16_tiles_are_the_oracle_on_bfloat16_weights(qtype, rows):
+    rng = np.random.default_rng(rows * 17 + int(qtype))
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    # 2 or 3 tiles (at most 256 KiB of bfloat16 each, one per thread at least), the last ragged
+    out_features, in_features = 301, block * (8 if block == 32 else 4)
+    blocks = quantized(qtype, out_features, in_features, rng)
+    weights = oracle(blocks, qtype, out_features, in_features).bfloat16().float()
+    x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32)).bfloat16()
+    raw = torch.from_numpy(blocks).view(torch.uint8).reshape(out_features, -1)
+    got = native.native_ops().quant_gemm(x, raw, int(qtype), out_features, in_features)
+    expected = x.float() @ weights.T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    scale = expected.abs().max().item()  # the only rounding left: the output's to bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=1e-3 * scale, rtol=8e-3)
+
+
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 512])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])

@@ -3,8 +3,9 @@
 The raw blocks stay a uint8 tensor [out_features, row_bytes] (a view of the file's memory map where
 the caller passes one). On CPU with the native kernels built (kernels/native.py) a few rows run
 kernels/cpu/quant_dot.cpp (integer dots, x86) or quant_matmul.cpp (float), which read each weight
-byte once; many rows (prefill) dequantize tiles of output rows and run torch's blocked matmul on
-them. On CUDA kernels/triton_gguf.py multiplies (and dequantizes) the blocks; triton is imported
+byte once; many rows (prefill, batched decode) in bfloat16 run quant_gemm.cpp (a tile per thread,
+dequantized and multiplied in its L2, AVX-512 BF16); otherwise many rows dequantize tiles of
+output rows and run torch's blocked matmul on them. On CUDA kernels/triton_gguf.py multiplies (and dequantizes) the blocks; triton is imported
 only there, on first use. Elsewhere, and for types without a kernel, the weight is dequantized
 with gguf-py (the oracle) and F.linear runs.
 """
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.native import native_ops
+from kernels.native import cpu_flags, native_ops
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,15 @@ def integer_dots() -> bool:
     kernel (quant_matmul.cpp)."""
     ops = native_ops()
     return ops is not None and ops.quant_dot_available()
+
+
+@functools.cache
+def bf16_tiles() -> bool:
+    """Many bfloat16 rows multiply in kernels/cpu/quant_gemm.cpp (AVX-512 BF16): each thread
+    dequantizes a tile that stays in its L2 and multiplies it at once. Not where the CPU has AMX:
+    there torch's matmul (oneDNN's AMX tiles) multiplies far faster than vdpbf16ps."""
+    ops = native_ops()
+    return ops is not None and ops.quant_gemm_available() and "amx_bf16" not in cpu_flags()
 
 
 @functools.cache
@@ -158,6 +168,10 @@ class QuantizedWeight(nn.Module):
         if ops is not None and rows.shape[0] <= DECODE_ROWS:
             kernel = ops.quant_dot if integer_dots() else ops.quant_matmul
             return kernel(
+                rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features
+            )
+        if ops is not None and rows.dtype == torch.bfloat16 and bf16_tiles():
+            return ops.quant_gemm(
                 rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features
             )
         y = rows.new_empty(rows.shape[0], self.out_features)

@@ -1,0 +1,201 @@
+// GGUF blocks unpacked in registers, shared by quant_dot.cpp (integer dots, few rows) and
+// quant_gemm.cpp (dequantized tiles, many rows). Every weight type is read as 32 codes u per
+// sub-block plus a scale and an offset per lane of 4 values, so that w = scale * u + offset
+// (Q4_0: u in 0..15, offset -8d; Q6_K: u in 0..63, two scales per 32 values; Q8_0: u = |q|
+// with the sign in `sign_of`, offset 0). Blocks as in the file: ggml-common.h's block structs,
+// little-endian, half-precision scales.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CONVEYOR_GGUF_BLOCKS 1
+
+namespace conveyor_gguf {
+
+// the visitors' lambdas run once per 32 weights: a call each (SubBlock through memory) cost
+// Q4_0 half its time
+#define CONVEYOR_INLINE __attribute__((always_inline))
+
+enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction; c10::Half's conversion is a dozen scalar ones
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// 16 bytes of nibbles -> 32 codes: low nibbles first (values 0..15), then the high ones
+inline __m256i nibbles_low_then_high(const uint8_t* p) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, mask);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  return _mm256_set_m128i(high, low);
+}
+
+// byte i = 0x10 where bit i of `bits` is set, else 0
+inline __m256i bit_bytes(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10));
+#else
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i one_bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, one_bit), one_bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+#endif
+}
+
+inline __m256 two_halves(float first, float second) {
+  return _mm256_insertf128_ps(_mm256_set1_ps(first), _mm_set1_ps(second), 1);
+}
+
+// One sub-block of 32 weights: codes, per-lane scale and offset; signed: codes are |q| and x's
+// sign must follow q's (Q8_0)
+struct SubBlock {
+  __m256i codes;
+  __m256 scale, offset;
+  __m256i sign_of = _mm256_setzero_si256();
+  bool is_signed = false;
+  bool has_offset = true;
+};
+
+inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// the 32-value sub-blocks of a type: Visit(sub, index of the sub-block in the row)
+template <typename Visit>
+inline void q4_0_subs(const uint8_t* b, int64_t s, Visit&& visit) {
+  const float d = half_at(b);
+  visit(SubBlock{nibbles_low_then_high(b + 2), _mm256_set1_ps(d), _mm256_set1_ps(-8.f * d)}, s);
+}
+
+template <typename Visit>
+inline void q4_1_subs(const uint8_t* b, int64_t s, Visit&& visit) {
+  visit(SubBlock{nibbles_low_then_high(b + 4), _mm256_set1_ps(half_at(b)), _mm256_set1_ps(half_at(b + 2))}, s);
+}
+
+template <typename Visit>
+inline void q5_0_subs(const uint8_t* b, int64_t s, Visit&& visit) {
+  const float d = half_at(b);
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  const __m256i codes = _mm256_or_si256(nibbles_low_then_high(b + 6), bit_bytes(qh));
+  visit(SubBlock{codes, _mm256_set1_ps(d), _mm256_set1_ps(-16.f * d)}, s);
+}
+
+template <typename Visit>
+inline void q8_0_subs(const uint8_t* b, int64_t s, Visit&& visit) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  SubBlock sub{_mm256_abs_epi8(q), _mm256_set1_ps(half_at(b)), _mm256_setzero_ps()};
+  sub.sign_of = q;
+  sub.is_signed = true;
+  sub.has_offset = false;
+  visit(sub, s);
+}
+
+// Q4_K (high null) and Q5_K: 8 sub-blocks; w = d * scale_j * q - dmin * min_j
+template <typename Visit>
+inline void k4_k5_subs(const uint8_t* b, const uint8_t* qs, const uint8_t* high, int64_t s, Visit&& visit) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i high_bits =
+      high ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)) : _mm256_setzero_si256();
+  for (int pair = 0; pair < 4; ++pair) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + pair * 32));
+    for (int half = 0; half < 2; ++half) {
+      const int j = pair * 2 + half;
+      __m256i codes = _mm256_and_si256(half ? _mm256_srli_epi16(packed, 4) : packed, mask);
+      if (high) {
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high_bits, j), _mm256_set1_epi8(1));
+        codes = _mm256_or_si256(codes, _mm256_slli_epi16(bit, 4));
+      }
+      int scale, min;
+      scale_min_k4(j, scales, &scale, &min);
+      visit(SubBlock{codes, _mm256_set1_ps(d * scale), _mm256_set1_ps(-dmin * min)}, s * 8 + j);
+    }
+  }
+}
+
+// Q6_K: 2 halves of 128 values, 4 sub-blocks of 32 each, a signed scale per 16 values;
+// w = d * scale * (q - 32), q in 0..63 from 4 low bits (ql) and 2 high bits (qh)
+template <typename Visit>
+inline void q6_k_subs(const uint8_t* b, int64_t s, Visit&& visit) {
+  const float d = half_at(b + 208);
+  const __m256i low_mask = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3);
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* ql = b + half * 64;
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + half * 8);
+    for (int k = 0; k < 4; ++k) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + (k & 1) * 32));
+      const __m256i low = _mm256_and_si256(k < 2 ? packed : _mm256_srli_epi16(packed, 4), low_mask);
+      const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two_bits);
+      const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
+      const float s0 = d * sc[2 * k], s1 = d * sc[2 * k + 1];
+      visit(SubBlock{codes, two_halves(s0, s1), two_halves(-32.f * s0, -32.f * s1)}, s * 8 + half * 4 + k);
+    }
+  }
+}
+
+template <typename Visit>
+inline void visit_row(int64_t type, const uint8_t* row, int64_t in, Visit&& visit) {
+  switch (type) {
+    case Q4_0: for (int64_t s = 0; s < in / 32; ++s) q4_0_subs(row + s * 18, s, visit); break;
+    case Q4_1: for (int64_t s = 0; s < in / 32; ++s) q4_1_subs(row + s * 20, s, visit); break;
+    case Q5_0: for (int64_t s = 0; s < in / 32; ++s) q5_0_subs(row + s * 22, s, visit); break;
+    case Q8_0: for (int64_t s = 0; s < in / 32; ++s) q8_0_subs(row + s * 34, s, visit); break;
+    case Q4_K:
+      for (int64_t s = 0; s < in / 256; ++s) k4_k5_subs(row + s * 144, row + s * 144 + 16, nullptr, s, visit);
+      break;
+    case Q5_K:
+      for (int64_t s = 0; s < in / 256; ++s)
+        k4_k5_subs(row + s * 176, row + s * 176 + 48, row + s * 176 + 16, s, visit);
+      break;
+    case Q6_K: for (int64_t s = 0; s < in / 256; ++s) q6_k_subs(row + s * 210, s, visit); break;
+    default: TORCH_CHECK(false, "gguf: no kernel for ggml type ", type);
+  }
+}
+
+inline int64_t row_bytes_of(int64_t type, int64_t in) {
+  switch (type) {
+    case Q4_0: return in / 32 * 18;
+    case Q4_1: return in / 32 * 20;
+    case Q5_0: return in / 32 * 22;
+    case Q8_0: return in / 32 * 34;
+    case Q4_K: return in / 256 * 144;
+    case Q5_K: return in / 256 * 176;
+    case Q6_K: return in / 256 * 210;
+  }
+  TORCH_CHECK(false, "gguf: no kernel for ggml type ", type);
+}
+
+inline void check_blocks(const at::Tensor& weight, int64_t row_bytes, int64_t out, const char* op) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.numel() == out * row_bytes,
+              op, ": weight must be contiguous uint8 [", out, ", ", row_bytes, "]");
+}
+
+}  // namespace conveyor_gguf
+
+#endif
