@@ -1,16 +1,16 @@
-"""Pick the kernels for a device: Triton on CUDA (when triton imports), the torch references
-otherwise. Triton stays optional: nothing here imports it unless a CUDA device asks."""
+"""Pick the kernels for a device: Triton on CUDA (when triton imports); on CPU the torch
+references with native RMSNorm and RoPE where the native kernels are built; else the references. Triton stays optional: nothing here imports it unless a CUDA device asks."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from kernels import reference
+from kernels import native, reference
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,9 @@ class Kernels:
     paged_attention_prefill: Callable[..., torch.Tensor]
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # the CPU's: this step's cos/sin rows prepared once, then applied in every layer
+    prepare_rotary: Callable[..., reference.RotaryPlan] = reference.prepare_rotary
+    rotary_with_plan: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.rotary_with_plan
 
 
 REFERENCE_KERNELS = Kernels(
@@ -39,7 +42,25 @@ def get_kernels(device: torch.device | str) -> Kernels:
         triton_kernels = _triton_kernels()
         if triton_kernels is not None:
             return triton_kernels
+    if device.type == "cpu" and native.native_ops() is not None:
+        return _native_cpu_kernels()
     return REFERENCE_KERNELS
+
+
+@functools.cache
+def _native_cpu_kernels() -> Kernels:
+    """The references, with RMSNorm, RoPE and the KV store in native ops
+    (kernels/cpu/layer_ops.cpp)."""
+    from kernels import native_layer_ops as ops
+
+    return replace(
+        REFERENCE_KERNELS,
+        name="native-cpu",
+        store_kvcache=ops.store_kvcache,
+        rms_norm=ops.rms_norm,
+        prepare_rotary=ops.prepare_rotary,
+        rotary_with_plan=ops.rotary_with_plan,
+    )
 
 
 @functools.cache

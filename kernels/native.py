@@ -29,6 +29,7 @@ SOURCES = tuple(
         "quant_matmul.cpp",
         "quant_dot.cpp",
         "quant_gemm.cpp",
+        "layer_ops.cpp",
     )
 )
 HEADERS = tuple(Path(__file__).parent / "cpu" / name for name in ("gguf_blocks.h",))

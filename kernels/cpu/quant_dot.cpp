@@ -55,12 +55,12 @@ inline float quantize_block(const float* v, int8_t* codes) {
   return amax / 127.f;
 }
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, bool residual) {
-  const int64_t blocks = in / 32;
-  QuantizedRows q{std::vector<int8_t>(rows * in), std::vector<int8_t>(residual ? rows * in : 0),
-                  std::vector<float>(rows * blocks), std::vector<float>(rows * blocks * 8)};
-  for (int64_t b = 0; b < rows * blocks; ++b) {
-    const float* v = x + b * 32;
+// x's blocks [count, 32] into q's codes, scales and lane sums
+template <typename T>
+void quantize_blocks(const T* x, int64_t count, bool residual, QuantizedRows& q) {
+  for (int64_t b = 0; b < count; ++b) {
+    float v[32];
+    for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(x[b * 32 + i]);
     int8_t* codes = q.codes.data() + b * 32;
     const float d = quantize_block(v, codes);
     float represented[32];
@@ -80,6 +80,22 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t in, bool resid
       const float* r = represented + lane * 4;
       q.lane_sums[b * 8 + lane] = r[0] + r[1] + r[2] + r[3];
     }
+  }
+}
+
+// x [rows, in] contiguous, float32 or bfloat16; the buffers are the calling thread's, reused by
+// its next call (a decode step makes about a hundred)
+const QuantizedRows& quantize_rows(const at::Tensor& x, bool residual) {
+  thread_local QuantizedRows q;
+  const int64_t values = x.numel(), blocks = values / 32;
+  q.codes.resize(values);
+  q.residual_codes.resize(residual ? values : 0);
+  q.dot_scales.resize(blocks);
+  q.lane_sums.resize(blocks * 8);
+  if (x.scalar_type() == at::kFloat) {
+    quantize_blocks(x.data_ptr<float>(), blocks, residual, q);
+  } else {
+    quantize_blocks(x.data_ptr<at::BFloat16>(), blocks, residual, q);
   }
   return q;
 }
@@ -109,9 +125,9 @@ inline __m256i codes_for(const SubBlock& sub, const int8_t* codes) {
 }
 
 // y[r * out + o] for R rows of x (starting at row r0) and one weight row o
-template <int R, bool kResidual>
+template <int R, bool kResidual, typename T>
 void dot_rows(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRows& xq, int64_t r0,
-              int64_t out, int64_t o, float* y) {
+              int64_t out, int64_t o, T* y) {
   const int64_t blocks = in / 32;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -127,18 +143,30 @@ void dot_rows(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRows
         acc[r] = _mm256_fmadd_ps(sub.offset, _mm256_loadu_ps(xq.lane_sums.data() + xb * 8), acc[r]);
     }
   });
-  for (int r = 0; r < R; ++r) y[(r0 + r) * out + o] = sum_lanes(acc[r]);
+  for (int r = 0; r < R; ++r) y[(r0 + r) * out + o] = static_cast<T>(sum_lanes(acc[r]));
 }
 
-template <bool kResidual>
+template <bool kResidual, typename T>
 void dot_chunk(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRows& xq, int64_t r0,
-               int64_t count, int64_t out, int64_t o, float* y) {
+               int64_t count, int64_t out, int64_t o, T* y) {
   switch (count) {
     case 1: return dot_rows<1, kResidual>(type, wrow, in, xq, r0, out, o, y);
     case 2: return dot_rows<2, kResidual>(type, wrow, in, xq, r0, out, o, y);
     case 3: return dot_rows<3, kResidual>(type, wrow, in, xq, r0, out, o, y);
     default: return dot_rows<4, kResidual>(type, wrow, in, xq, r0, out, o, y);
   }
+}
+
+// y [rows, out] in x's dtype
+template <typename T>
+void dot_all(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq,
+             int64_t rows, int64_t out, bool residual, T* y) {
+  const auto chunk = residual ? dot_chunk<true, T> : dot_chunk<false, T>;
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows)
+        chunk(type, w + o * row_bytes, in, xq, r0, std::min<int64_t>(kMaxRows, rows - r0), out, o, y);
+  });
 }
 
 void check_dot_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t row_bytes, int64_t out, int64_t in) {
@@ -153,19 +181,17 @@ at::Tensor quant_dot(const at::Tensor& x, const at::Tensor& weight, int64_t type
                      bool residual) {
   const int64_t row_bytes = row_bytes_of(type, in);
   check_dot_inputs(x, weight, row_bytes, out, in);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
   const int64_t rows = x.size(0);
-  const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), rows, in, residual);
-  const auto chunk = residual ? dot_chunk<true> : dot_chunk<false>;
-  at::Tensor y = at::empty({rows, out}, xf.options());
-  float* yp = y.data_ptr<float>();
+  const QuantizedRows& xq = quantize_rows(xc, residual);
+  at::Tensor y = at::empty({rows, out}, xc.options());
   const uint8_t* w = weight.data_ptr<uint8_t>();
-  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o)
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows)
-        chunk(type, w + o * row_bytes, in, xq, r0, std::min<int64_t>(kMaxRows, rows - r0), out, o, yp);
-  });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  if (x.scalar_type() == at::kFloat) {
+    dot_all(type, w, row_bytes, in, xq, rows, out, residual, y.data_ptr<float>());
+  } else {
+    dot_all(type, w, row_bytes, in, xq, rows, out, residual, y.data_ptr<at::BFloat16>());
+  }
+  return y;
 }
 
 bool quant_dot_available() { return true; }

@@ -13,6 +13,7 @@ from itertools import accumulate
 import torch
 
 from kernels import native, reference
+from kernels.dispatch import get_kernels
 
 NATIVE_DECODE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -66,12 +67,7 @@ class AttentionBackend:
     ) -> None:
         self.block_size = block_size
         self.use_triton = device.type == "cuda"
-        if self.use_triton:
-            from kernels.dispatch import get_kernels
-
-            self.kernels = get_kernels(device)
-        else:
-            self.kernels = reference
+        self.kernels = get_kernels(device)
         # the native decode where it runs this dtype; else the reference's planned groups
         use_native = not self.use_triton and dtype in NATIVE_DECODE_DTYPES
         self.native = native.native_ops() if use_native else None
@@ -156,11 +152,11 @@ class AttentionBackend:
         self, ctx: ForwardContext, positions, cos_sin_cache, dtype, table: str = "global"
     ) -> None:
         if not self.use_triton:
-            ctx.rope[table] = reference.prepare_rotary(positions, cos_sin_cache, dtype)
+            ctx.rope[table] = self.kernels.prepare_rotary(positions, cos_sin_cache, dtype)
 
     def rotary(self, ctx: ForwardContext, positions, q, k, cos_sin_cache, table: str = "global"):
         if table in ctx.rope:
-            return reference.rotary_with_plan(q, k, ctx.rope[table])
+            return self.kernels.rotary_with_plan(q, k, ctx.rope[table])
         return self.kernels.rotary_embedding(positions, q, k, cos_sin_cache)
 
     def forward(

@@ -1,0 +1,62 @@
+"""kernels/cpu/layer_ops.cpp's RMSNorm, rotary embedding and KV-cache store behind
+kernels/reference.py's signatures; what the native ops do not take (float16, a weight in another
+dtype, strided rows) goes to the reference, which is also their oracle (tests/test_layer_ops.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+from kernels.native import native_ops
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rms_norm: (norm(x + residual) * weight, x + residual)."""
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if not _native_fits(x.dtype, tensors):
+        return reference.rms_norm(x, weight, eps, residual)
+    rows = x.reshape(-1, x.shape[-1])
+    extra = None if residual is None else residual.reshape(rows.shape)
+    out, total = native_ops().rms_norm(rows, weight, eps, extra)
+    return out.view(x.shape), x if residual is None else total.view(x.shape)
+
+
+def prepare_rotary(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+) -> reference.RotaryPlan:
+    """reference.prepare_rotary: the step's cos/sin rows, shared by every layer."""
+    if dtype not in NATIVE_DTYPES or not _native_fits(torch.float32, (cos_sin_cache,)):
+        return reference.prepare_rotary(positions, cos_sin_cache, dtype)
+    return reference.RotaryPlan(*native_ops().rotary_plan(positions, cos_sin_cache, dtype))
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """reference.store_kvcache: each token's key/value into its slot; slot -1 skipped."""
+    fits = all(t.stride(-1) == 1 and t.dtype == k_cache.dtype for t in (key, value, v_cache))
+    if not (fits and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    native_ops().store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def rotary_with_plan(
+    q: torch.Tensor, k: torch.Tensor, plan: reference.RotaryPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rotary_with_plan: NeoX RoPE of q and k with the step's cos/sin rows."""
+    if (
+        q.dtype not in NATIVE_DTYPES
+        or q.stride(-1) != 1
+        or k.stride(-1) != 1
+        or not (plan.cos.dtype == plan.sin.dtype == k.dtype == q.dtype)
+    ):
+        return reference.rotary_with_plan(q, k, plan)
+    return native_ops().rotary_with_plan(q, k, plan.cos.contiguous(), plan.sin.contiguous())
+
+
+def _native_fits(dtype: torch.dtype, tensors) -> bool:
+    return dtype in NATIVE_DTYPES and all(
+        t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu" for t in tensors
+    )
