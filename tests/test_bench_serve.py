@@ -87,7 +87,11 @@ def test_speculation_over_the_run_is_the_counters_difference():
     before = dict(zip(series, (10.0, 40.0, 20.0)))
     after = dict(zip(series, (30.0, 100.0, 60.0)))
     spec = spec_decode_deltas(before, after)["spec_decode"]
-    assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (20, 60, 40)
+    assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (
+        20,
+        60,
+        40,
+    )
     assert spec["acceptance_rate"] == pytest.approx(40 / 60, abs=1e-4)
     assert spec["mean_accepted_length"] == pytest.approx(1 + 40 / 20)
     assert spec_decode_deltas({}, {"conveyor:num_requests_running": 1.0}) == {}

@@ -59,8 +59,9 @@ async def test_key_rpm_is_exact_across_replicas_under_the_tenants(three, unique_
     assert "(the limit of the tenant)" in refusal["error"]["message"]
 
     async def refused_records():
-        status, page = await admin_call(three[0], "GET",
-                                        f"/requests?tenant_id={tenant['id']}&status=rejected")
+        status, page = await admin_call(
+            three[0], "GET", f"/requests?tenant_id={tenant['id']}&status=rejected"
+        )
         records = page["items"]  # fmt: skip
         return records if len(records) == 11 else None
 

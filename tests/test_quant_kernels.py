@@ -112,7 +112,7 @@ def test_bf16_tiles_are_the_oracle_on_bfloat16_weights(qtype, rows):
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 8, 17, 512])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 17, 512])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_linear_matches_dequantized_matmul(qtype, rows, dtype, tol):
     rng = np.random.default_rng(rows * 31 + int(qtype))
@@ -127,7 +127,7 @@ def test_linear_matches_dequantized_matmul(qtype, rows, dtype, tol):
     )
     got = linear(x)
     assert got.dtype == dtype and got.shape == (rows, out_features)
-    if rows <= quant.DECODE_ROWS and quant.integer_dots():
+    if rows <= quant.integer_dot_rows(dtype) and quant.integer_dots():
         tol = max(tol, 2e-4)  # x in two int8 terms per block of 32: ~1e-5 of the largest output
     scale = expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=tol * scale, rtol=tol)

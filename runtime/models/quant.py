@@ -34,6 +34,8 @@ NATIVE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K
 TRITON_TYPES = NATIVE_TYPES  # kernels/triton_gguf.py's
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel; more dequantize tiles
+BF16_DECODE_ROWS = 3  # the same where quant_gemm takes bfloat16 rows: it wins from 4 (two terms
+# of int8 activations cost the integer kernel a pass over the weights' codes per row)
 TILE_VALUES = 1 << 20  # dequantized values per tile (2 MiB in bfloat16: stays in L2)
 _logged_slow_types: set[Q] = set()
 
@@ -80,6 +82,11 @@ def bf16_tiles() -> bool:
     there torch's matmul (oneDNN's AMX tiles) multiplies far faster than vdpbf16ps."""
     ops = native_ops()
     return ops is not None and ops.quant_gemm_available() and "amx_bf16" not in cpu_flags()
+
+
+def integer_dot_rows(dtype: torch.dtype) -> int:
+    """At most this many rows of `dtype` run the few-rows kernel (quant_dot or quant_matmul)."""
+    return BF16_DECODE_ROWS if dtype == torch.bfloat16 and bf16_tiles() else DECODE_ROWS
 
 
 @functools.cache
@@ -165,7 +172,7 @@ class QuantizedWeight(nn.Module):
                 rows, self.blocks, self.ggml_type, self.out_features, self.in_features
             )
         ops = self._native()
-        if ops is not None and rows.shape[0] <= DECODE_ROWS:
+        if ops is not None and rows.shape[0] <= integer_dot_rows(rows.dtype):
             kernel = ops.quant_dot if integer_dots() else ops.quant_matmul
             return kernel(
                 rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features
