@@ -113,7 +113,9 @@ class EngineConfig(BaseModel):
     ngram_min: int = Field(1, ge=1, description="prompt lookup: the shortest n-gram matched")
     ngram_max: int = Field(4, ge=1, description="prompt lookup: the longest n-gram matched")
     draft_model: str | None = Field(
-        None, description="--speculative draft: the draft model (HF dir or .gguf)"
+        None,
+        description="--speculative draft: the draft model (HF dir, .gguf or a known name), "
+        "with the target's tokenizer",
     )
 
     def resolved_device(self) -> torch.device:
