@@ -117,6 +117,11 @@ class EngineConfig(BaseModel):
         description="--speculative draft: the draft model (HF dir, .gguf or a known name), "
         "with the target's tokenizer",
     )
+    draft_quantization: Literal["auto", "gguf", "none"] = Field(
+        "auto",
+        description="--speculative draft: the draft model's weights, as --quantization (auto: "
+        "the same); gguf keeps a small draft's one-row decodes on the GGUF kernels",
+    )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -72,7 +72,7 @@ def load_draft_model(config, target, tokenizer: Tokenizer) -> DraftModel:
         config.block_size,
         target.dtype,
         target.device,
-        config.quantization,
+        config.quantization if config.draft_quantization == "auto" else config.draft_quantization,
     )
 
 
