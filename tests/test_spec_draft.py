@@ -2,8 +2,8 @@
 itself: greedy tokens identical with speculation on and off, at batch 1, in a mixed batch, with a
 stop string and max_tokens inside an accepted run, and with a swap and a recompute preemption
 in the middle; the draft's acceptance is near 1 (it is the target: a wrong draft cache or
-catch-up shows as rejections); its cache's blocks all come back. A draft with another tokenizer
-is refused at start."""
+catch-up shows as rejections); its cache's blocks all come back. In CI time: the tiny random
+model drafting for itself through preemptions; a draft with another tokenizer refused at start."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from runtime.spec.draft_model import DraftTokenizerMismatch
 from runtime.spec.draft_proposer import DraftModelProposer
 from runtime.spec.policy import FixedK
 from scheduler.request import Request, SamplingParams
-
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 SMOLLM2 = "smollm2-135m-instruct"
 PASSAGE = (
@@ -76,6 +74,8 @@ def counts(engine: Engine) -> tuple[int, int]:
     return engine.speculator.stats.num_draft_tokens, engine.speculator.stats.num_accepted_tokens
 
 
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_greedy_identical_at_batch_1_and_drafts_accepted(engine):
     prompt = engine.tokenizer.encode("Write a short poem about the sea.")
     plain = run(engine, [prompt], [greedy(40)], speculate=False)
@@ -84,6 +84,8 @@ def test_greedy_identical_at_batch_1_and_drafts_accepted(engine):
     assert acceptance_since(engine, before) > 0.9
 
 
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_greedy_identical_in_a_mixed_batch(engine):
     prompts = [
         engine.tokenizer.encode(f"Text: {PASSAGE}\nThe same text again: {PASSAGE[:30]}"),
@@ -98,6 +100,8 @@ def test_greedy_identical_in_a_mixed_batch(engine):
     assert acceptance_since(engine, before) > 0.9
 
 
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_stop_strings_and_max_tokens_inside_an_accepted_run(engine):
     prompt = engine.tokenizer.encode("Write a short poem about the sea.")
     full = run(engine, [prompt], [greedy(24)], speculate=False)[0]
@@ -109,6 +113,8 @@ def test_stop_strings_and_max_tokens_inside_an_accepted_run(engine):
     assert expected[1][2] == "stop" and len(expected[2][0]) < 24
 
 
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_after_rejections_the_drafts_are_those_of_a_fresh_draft_cache(engine):
     """The target rejects a draft (a token other than the draft's follows the accepted ones),
     and now and then the row decodes a few steps without drafts: the row's cache rolls back and
@@ -136,6 +142,8 @@ def tight() -> Engine:
                        enable_prefix_caching=False)  # fmt: skip
 
 
+@pytest.mark.real_model
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_in_the_middle_keeps_greedy_tokens_and_frees_draft_blocks(tight, mode):
     tight.reset_scheduler(preemption_mode=mode)
@@ -156,6 +164,8 @@ def test_preemption_in_the_middle_keeps_greedy_tokens_and_frees_draft_blocks(tig
     assert speculated == one_by_one(tight, prompts, params)
 
 
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_an_aborted_request_gives_its_draft_blocks_back(engine):
     engine.scheduler.drafter = engine.speculator
     request = engine.add_request(engine.tokenizer.encode(PASSAGE), greedy(40))
@@ -166,6 +176,20 @@ def test_an_aborted_request_gives_its_draft_blocks_back(engine):
     while engine.has_unfinished():
         engine.step()
     assert draft_pool(engine).num_free_blocks == draft_pool(engine).num_blocks
+
+
+def test_a_tiny_model_drafting_for_itself_through_preemptions(tiny_model_dir):
+    """CI-sized: the random 2-layer model as target and draft, 6 requests in 10 blocks."""
+    engine = make_engine(3, model=str(tiny_model_dir), draft_model=str(tiny_model_dir),
+                         num_kv_blocks=10, max_num_seqs=6, swap_space=0.01,
+                         enable_prefix_caching=False)  # fmt: skip
+    prompts = [[3 + i, 4, 5, 6] * (3 + i) for i in range(6)]
+    params = [greedy(20) for _ in prompts]
+    before = counts(engine)
+    speculated = run(engine, prompts, params, speculate=True)
+    assert sum(engine.scheduler.num_preemptions.values()) > 0
+    assert acceptance_since(engine, before) > 0.9
+    assert speculated == one_by_one(engine, prompts, params)
 
 
 @pytest.mark.parametrize("draft", ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"])
