@@ -186,22 +186,17 @@ def prepare_draft_attention(
     slots = tables[seq_of_token, positions // block_size].long() * block_size
     slots += positions % block_size
     seq_lens = (computed + num_new).int()
-    start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).int()
-    if bool((num_new == 1).all()):  # decodes only
-        parts = (len(chunks), tables, seq_lens, tables[:0], start_loc[:1], seq_lens[:0])
-    else:
-        parts = (0, tables[:0], seq_lens[:0], tables, start_loc, seq_lens)
-    num_decode, *tensors = parts
-    decode_tables, decode_lens, prefill_tables, prefill_loc, prefill_lens = (
-        t.to(device) for t in tensors
-    )
+    start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).int().to(device)
+    tables, seq_lens = tables.to(device), seq_lens.to(device)
+    is_decode = bool((num_new == 1).all())
+    decodes, prefills = (slice(None), slice(0)) if is_decode else (slice(0), slice(None))
     attn = AttentionMetadata(
         slot_mapping=slots.to(device),
-        num_decode_tokens=num_decode,
-        decode_block_tables=decode_tables,
-        decode_seq_lens=decode_lens,
-        prefill_block_tables=prefill_tables,
-        prefill_query_start_loc=prefill_loc,
-        prefill_seq_lens=prefill_lens,
+        num_decode_tokens=len(chunks) if is_decode else 0,
+        decode_block_tables=tables[decodes],
+        decode_seq_lens=seq_lens[decodes],
+        prefill_block_tables=tables[prefills],
+        prefill_query_start_loc=start_loc[:1] if is_decode else start_loc,
+        prefill_seq_lens=seq_lens[prefills],
     )
     return attn, positions.to(device), (ends - 1).to(device)
