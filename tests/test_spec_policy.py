@@ -129,6 +129,23 @@ def test_the_draft_models_cost_lowers_k(seconds_per_draft, expected_k):
     assert policy.choose(rows, num_rows=1, num_tokens=1, token_budget_left=100) == [expected_k]
 
 
+def test_a_long_run_of_plain_decodes_does_not_erase_what_a_draft_token_costs():
+    """Plain decodes alone leave the token slope unknown (rows = tokens); kept apart, the steps
+    with drafts still tell it, and a cheap draft model still pays at the prior acceptance."""
+    forgetful, keeping = StepCostModel(), StepCostModel(keep_drafted_apart=True)
+    for cost in (forgetful, keeping):
+        for tokens in (2, 4, 6) * 4:  # a flat step: 20 ms whatever its tokens
+            cost.observe(1, tokens, 0.02)
+        for _ in range(300):
+            cost.observe(1, 1, 0.02)
+    assert keeping.predict(1, 6) == pytest.approx(0.02, rel=1e-3)
+    assert forgetful.predict(1, 6) > 0.05
+    policy = SpeculationPolicy(
+        5, keeping, AcceptanceTracker(prior=0.5), draft_cost=draft_cost(0.004)
+    )
+    assert policy.choose([RowCandidate("new", 10)], 1, 1, token_budget_left=100)[0] > 0
+
+
 def test_no_speculation_before_the_cost_model_has_measurements():
     policy = SpeculationPolicy(5, StepCostModel(), AcceptanceTracker(prior=0.9))
     assert policy.choose(

@@ -34,23 +34,31 @@ import numpy as np
 class StepCostModel:
     """Measured seconds per step as a linear function of (rows, tokens), refit on demand."""
 
-    def __init__(self, window: int = 256, min_samples: int = 8):
+    def __init__(self, window: int = 256, min_samples: int = 8, keep_drafted_apart: bool = False):
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.min_samples = min_samples
+        # keep_drafted_apart: steps with drafts in their own window, so that a long run of plain
+        # decodes (one token a row: rows and tokens collinear) cannot make the fit forget what a
+        # draft token costs; a draft model, which probes only where drafts pay, needs that
+        self.drafted: deque[tuple[int, int, float]] | None = (
+            deque(maxlen=window) if keep_drafted_apart else None
+        )
         self._coefficients: np.ndarray | None = None
 
     def observe(self, num_rows: int, num_tokens: int, seconds: float) -> None:
-        self.samples.append((num_rows, num_tokens, seconds))
+        has_drafts = self.drafted is not None and num_tokens > num_rows
+        (self.drafted if has_drafts else self.samples).append((num_rows, num_tokens, seconds))
         self._coefficients = None
 
     @property
     def is_fitted(self) -> bool:
-        return len(self.samples) >= self.min_samples
+        return len(self.samples) + len(self.drafted or ()) >= self.min_samples
 
     def coefficients(self) -> np.ndarray:
         """-> [c0, c_rows, c_tokens], none negative (a cost never falls as work grows)."""
         if self._coefficients is None:
-            data = np.array(self.samples, dtype=np.float64)  # [num_samples, 3]
+            measured = [*self.samples, *(self.drafted or ())]
+            data = np.array(measured, dtype=np.float64)  # [num_samples, 3]
             design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
             fit, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
             self._coefficients = np.maximum(fit, 0.0)

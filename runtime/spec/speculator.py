@@ -173,7 +173,8 @@ def make_speculator(config, target=None, tokenizer=None) -> Speculator | None:
         return Speculator(k, PromptLookup(NgramConfig(config.ngram_min, config.ngram_max, k)))
     if config.speculative == "draft":
         cost = DraftCost()
-        policy = SpeculationPolicy(k, StepCostModel(), AcceptanceTracker(), draft_cost=cost)
+        step_cost = StepCostModel(keep_drafted_apart=True)
+        policy = SpeculationPolicy(k, step_cost, AcceptanceTracker(), draft_cost=cost)
         proposer = DraftModelProposer(load_draft_model(config, target, tokenizer), k, cost)
         return Speculator(k, proposer, policy)
     raise NotImplementedError(f"--speculative {config.speculative} is not served yet")
