@@ -178,11 +178,16 @@ def test_an_aborted_request_gives_its_draft_blocks_back(engine):
     assert draft_pool(engine).num_free_blocks == draft_pool(engine).num_blocks
 
 
-def test_a_tiny_model_drafting_for_itself_through_preemptions(tiny_model_dir):
-    """CI-sized: the random 2-layer model as target and draft, 6 requests in 10 blocks."""
-    engine = make_engine(3, model=str(tiny_model_dir), draft_model=str(tiny_model_dir),
-                         num_kv_blocks=10, max_num_seqs=6, swap_space=0.01,
-                         enable_prefix_caching=False)  # fmt: skip
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> Engine:
+    """CI-sized: the random 2-layer model as target and draft, 10 blocks for 6 requests."""
+    return make_engine(3, model=str(tiny_model_dir), draft_model=str(tiny_model_dir),
+                       num_kv_blocks=10, max_num_seqs=6, swap_space=0.01,
+                       enable_prefix_caching=False)  # fmt: skip
+
+
+def test_a_tiny_model_drafting_for_itself_through_preemptions(tiny):
+    engine = tiny
     prompts = [[3 + i, 4, 5, 6] * (3 + i) for i in range(6)]
     params = [greedy(20) for _ in prompts]
     before = counts(engine)
@@ -190,6 +195,23 @@ def test_a_tiny_model_drafting_for_itself_through_preemptions(tiny_model_dir):
     assert sum(engine.scheduler.num_preemptions.values()) > 0
     assert acceptance_since(engine, before) > 0.9
     assert speculated == one_by_one(engine, prompts, params)
+
+
+def test_a_long_catch_up_comes_in_chunks_then_drafts_as_a_fresh_cache(tiny):
+    """Catch-ups share a token budget per call: a 40-token prompt with 16 a call takes two
+    calls without drafts, then the third catches up on the last 8 and drafts what a cache
+    without the budget drafts."""
+    draft = tiny.speculator.proposer.draft
+    chunked = DraftModelProposer(draft, num_speculative_tokens=4, max_catch_up_tokens=16)
+    whole = DraftModelProposer(draft, num_speculative_tokens=4)
+    request = Request("long", [5 + i % 30 for i in range(40)])
+    assert [chunked.propose_rows([request], [4])[0] for _ in range(2)] == [[], []]
+    assert chunked.rows["long"].num_computed == 32
+    drafts = chunked.propose_rows([request], [4])[0]
+    assert len(drafts) == 4 and drafts == whole.propose_rows([request], [4])[0]
+    for proposer in (chunked, whole):
+        proposer.release("long")
+    assert draft.pool.num_free_blocks == draft.pool.num_blocks
 
 
 @pytest.mark.parametrize("draft", ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"])

@@ -175,6 +175,7 @@ def make_speculator(config, target=None, tokenizer=None) -> Speculator | None:
         cost = DraftCost()
         step_cost = StepCostModel(keep_drafted_apart=True)
         policy = SpeculationPolicy(k, step_cost, AcceptanceTracker(), draft_cost=cost)
-        proposer = DraftModelProposer(load_draft_model(config, target, tokenizer), k, cost)
+        draft = load_draft_model(config, target, tokenizer)
+        proposer = DraftModelProposer(draft, k, cost, max_catch_up_tokens=config.max_batch_tokens)
         return Speculator(k, proposer, policy)
     raise NotImplementedError(f"--speculative {config.speculative} is not served yet")
