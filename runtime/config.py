@@ -109,7 +109,14 @@ class EngineConfig(BaseModel):
     ngram_min: int = Field(1, ge=1, description="prompt lookup: the shortest n-gram matched")
     ngram_max: int = Field(4, ge=1, description="prompt lookup: the longest n-gram matched")
     draft_model: str | None = Field(
-        None, description="--speculative draft: the draft model (HF dir or .gguf)"
+        None,
+        description="--speculative draft: the draft model (HF dir, .gguf or a known name), "
+        "with the target's tokenizer",
+    )
+    draft_quantization: Literal["auto", "gguf", "none"] = Field(
+        "auto",
+        description="--speculative draft: the draft model's weights, as --quantization (auto: "
+        "the same); gguf keeps a small draft's one-row decodes on the GGUF kernels",
     )
 
     def resolved_device(self) -> torch.device:

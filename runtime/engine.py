@@ -160,7 +160,7 @@ class Engine:
             self.runner.num_cpu_blocks,
             config.enable_prefix_caching,
         )
-        self.speculator = make_speculator(config)  # None: speculation off
+        self.speculator = make_speculator(config, self.runner, self.tokenizer)  # None: off
         self.scheduler = Scheduler(
             self._scheduler_config(),
             self.block_manager,

@@ -3,7 +3,13 @@ acceptance is high and a token costs little next to a step; plus the stats count
 
 import pytest
 
-from runtime.spec.policy import AcceptanceTracker, RowCandidate, SpeculationPolicy, StepCostModel
+from runtime.spec.policy import (
+    AcceptanceTracker,
+    DraftCost,
+    RowCandidate,
+    SpeculationPolicy,
+    StepCostModel,
+)
 from runtime.spec.stats import NUM_ACCEPTED_TOKENS_PER_POS, NUM_DRAFTS, SpecDecodeStats
 
 
@@ -92,6 +98,52 @@ def test_a_row_near_its_max_tokens_gets_no_more_drafts_than_it_can_use():
     assert policy.choose(
         [RowCandidate("r", 2)], num_rows=1, num_tokens=1, token_budget_left=100
     ) == [2]
+
+
+def draft_cost(seconds_per_token: float) -> DraftCost:
+    cost = DraftCost()
+    for _ in range(5):
+        cost.observe(4, 4 * seconds_per_token)
+    return cost
+
+
+def test_the_draft_models_cost_is_a_moving_average_per_drafted_token():
+    cost = draft_cost(0.005)
+    assert cost.seconds_per_token == pytest.approx(0.005)
+    cost.observe(0, 1.0)  # no drafts: nothing learned
+    assert cost.seconds_per_token == pytest.approx(0.005)
+    for _ in range(60):
+        cost.observe(2, 0.002)
+    assert cost.seconds_per_token == pytest.approx(0.001, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "seconds_per_draft, expected_k",
+    [(0.0, 5), (0.002, 5), (0.006, 2), (0.03, 0)],
+)
+def test_the_draft_models_cost_lowers_k(seconds_per_draft, expected_k):
+    """A 20 ms step, acceptance 0.75: the j-th draft's gain 0.75^j must pay for its seconds."""
+    policy = policy_with(0.75, fitted_cost(0.02, 0.00001))
+    policy.draft_cost = draft_cost(seconds_per_draft)
+    rows = [RowCandidate("r", 10)]
+    assert policy.choose(rows, num_rows=1, num_tokens=1, token_budget_left=100) == [expected_k]
+
+
+def test_a_long_run_of_plain_decodes_does_not_erase_what_a_draft_token_costs():
+    """Plain decodes alone leave the token slope unknown (rows = tokens); kept apart, the steps
+    with drafts still tell it, and a cheap draft model still pays at the prior acceptance."""
+    forgetful, keeping = StepCostModel(), StepCostModel(keep_drafted_apart=True)
+    for cost in (forgetful, keeping):
+        for tokens in (2, 4, 6) * 4:  # a flat step: 20 ms whatever its tokens
+            cost.observe(1, tokens, 0.02)
+        for _ in range(300):
+            cost.observe(1, 1, 0.02)
+    assert keeping.predict(1, 6) == pytest.approx(0.02, rel=1e-3)
+    assert forgetful.predict(1, 6) > 0.05
+    policy = SpeculationPolicy(
+        5, keeping, AcceptanceTracker(prior=0.5), draft_cost=draft_cost(0.004)
+    )
+    assert policy.choose([RowCandidate("new", 10)], 1, 1, token_budget_left=100)[0] > 0
 
 
 def test_no_speculation_before_the_cost_model_has_measurements():

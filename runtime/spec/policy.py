@@ -14,6 +14,11 @@ and budget is left. A full batch (no budget) or a costly token (c_tokens large a
 means k = 0; k = 0 everywhere is no speculation at all. A row whose acceptance rate is below
 `min_acceptance` gets k = 0 whatever the fit says: the cost model sees only the forward pass,
 not the proposer's and the verifier's host time, and its token slope is noisy near zero.
+
+A draft model's own forward passes cost time the target's step does not show: `DraftCost`
+measures its seconds per drafted token, and each draft is charged that on top of the step's
+predicted cost, so k is chosen from expected tokens / (target step + draft). Prompt lookup
+costs nothing here (no DraftCost).
 """
 
 from __future__ import annotations
@@ -29,23 +34,31 @@ import numpy as np
 class StepCostModel:
     """Measured seconds per step as a linear function of (rows, tokens), refit on demand."""
 
-    def __init__(self, window: int = 256, min_samples: int = 8):
+    def __init__(self, window: int = 256, min_samples: int = 8, keep_drafted_apart: bool = False):
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.min_samples = min_samples
+        # keep_drafted_apart: steps with drafts in their own window, so that a long run of plain
+        # decodes (one token a row: rows and tokens collinear) cannot make the fit forget what a
+        # draft token costs; a draft model, which probes only where drafts pay, needs that
+        self.drafted: deque[tuple[int, int, float]] | None = (
+            deque(maxlen=window) if keep_drafted_apart else None
+        )
         self._coefficients: np.ndarray | None = None
 
     def observe(self, num_rows: int, num_tokens: int, seconds: float) -> None:
-        self.samples.append((num_rows, num_tokens, seconds))
+        has_drafts = self.drafted is not None and num_tokens > num_rows
+        (self.drafted if has_drafts else self.samples).append((num_rows, num_tokens, seconds))
         self._coefficients = None
 
     @property
     def is_fitted(self) -> bool:
-        return len(self.samples) >= self.min_samples
+        return len(self.samples) + len(self.drafted or ()) >= self.min_samples
 
     def coefficients(self) -> np.ndarray:
         """-> [c0, c_rows, c_tokens], none negative (a cost never falls as work grows)."""
         if self._coefficients is None:
-            data = np.array(self.samples, dtype=np.float64)  # [num_samples, 3]
+            measured = [*self.samples, *(self.drafted or ())]
+            data = np.array(measured, dtype=np.float64)  # [num_samples, 3]
             design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
             fit, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
             self._coefficients = np.maximum(fit, 0.0)
@@ -54,6 +67,24 @@ class StepCostModel:
     def predict(self, num_rows: int, num_tokens: int) -> float:
         c0, c_rows, c_tokens = self.coefficients()
         return float(c0 + c_rows * num_rows + c_tokens * num_tokens)
+
+
+class DraftCost:
+    """Measured seconds of the draft model per drafted token: a moving average over steady
+    steps (catching up on a whole prompt is a one-off, not the price of a draft)."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self._seconds, self._tokens = 0.0, 0.0
+
+    def observe(self, num_draft_tokens: int, seconds: float) -> None:
+        if num_draft_tokens > 0:
+            self._seconds = self.decay * self._seconds + seconds
+            self._tokens = self.decay * self._tokens + num_draft_tokens
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self._seconds / self._tokens if self._tokens else 0.0
 
 
 class AcceptanceTracker:
@@ -102,11 +133,13 @@ class SpeculationPolicy:
         cost: StepCostModel,
         acceptance: AcceptanceTracker,
         min_acceptance: float = 0.2,
+        draft_cost: DraftCost | None = None,
     ):
         self.num_speculative_tokens = num_speculative_tokens
         self.min_acceptance = min_acceptance
         self.cost = cost
         self.acceptance = acceptance
+        self.draft_cost = draft_cost  # None: drafts cost the proposer nothing (prompt lookup)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(request_id, num_drafted, num_accepted)
@@ -132,12 +165,12 @@ class SpeculationPolicy:
         heapq.heapify(heap)
         expected = float(num_rows)  # each scheduled row yields one token without drafts
         best = expected / self.cost.predict(num_rows, num_tokens)
+        per_draft = self.draft_cost.seconds_per_token if self.draft_cost is not None else 0.0
         extra = 0
         while heap and extra < token_budget_left:
             negative_gain, i = heapq.heappop(heap)
-            goodput = (expected - negative_gain) / self.cost.predict(
-                num_rows, num_tokens + extra + 1
-            )
+            seconds = self.cost.predict(num_rows, num_tokens + extra + 1) + per_draft * (extra + 1)
+            goodput = (expected - negative_gain) / seconds
             if goodput <= best:
                 break  # gains only shrink from here
             expected, best, extra = expected - negative_gain, goodput, extra + 1

@@ -1,15 +1,25 @@
 """The engine's speculation: the scheduler's drafter (each steady decode's k from the policy,
-its drafts from the proposer) and what the engine feeds back after each step (the measured step
-cost, each verified row's acceptance, the counters)."""
+its drafts from the proposer: prompt lookup or a draft model) and what the engine feeds back
+after each step (the measured step cost, each verified row's acceptance, preemptions, the
+counters)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-from runtime.spec.policy import AcceptanceTracker, RowCandidate, SpeculationPolicy, StepCostModel
+from runtime.spec.draft_model import load_draft_model
+from runtime.spec.draft_proposer import DraftModelProposer
+from runtime.spec.policy import (
+    AcceptanceTracker,
+    DraftCost,
+    RowCandidate,
+    SpeculationPolicy,
+    StepCostModel,
+)
 from runtime.spec.proposer import NgramConfig, NgramProposer
 from runtime.spec.stats import SpecDecodeStats
 from scheduler.output import SchedulerOutput
@@ -28,14 +38,44 @@ def can_speculate(params: SamplingParams) -> bool:
     )
 
 
+class Proposer(Protocol):
+    """Fills each row's drafts once the policy chose its k."""
+
+    def propose_rows(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        """requests[i] may take up to ks[i] >= 1 drafts -> drafts per row (empty: none)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request finished, was aborted or preempted: what the proposer keeps of it goes."""
+        ...
+
+
+class PromptLookup:
+    """The n-gram proposer over requests: nothing kept per row."""
+
+    def __init__(self, config: NgramConfig) -> None:
+        self.ngram = NgramProposer(config)
+
+    def propose_rows(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        return [self.ngram.propose_one(history_of(r), k).tolist() for r, k in zip(requests, ks)]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
 class Speculator:
-    def __init__(self, config: NgramConfig, policy: SpeculationPolicy | None = None) -> None:
-        self.config = config
-        self.proposer = NgramProposer(config)
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        proposer: Proposer,
+        policy: SpeculationPolicy | None = None,
+    ) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.proposer = proposer
         self.policy = policy or SpeculationPolicy(
-            config.num_speculative_tokens, StepCostModel(), AcceptanceTracker()
+            num_speculative_tokens, StepCostModel(), AcceptanceTracker()
         )
-        self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.stats = SpecDecodeStats(num_speculative_tokens)
         self.num_rows_per_k: dict[int, int] = {}  # the policy's choices, k = 0 included
 
     # ---- the scheduler's drafter --------------------------------------------------------------
@@ -51,10 +91,14 @@ class Speculator:
         candidates = [RowCandidate(rows[i].request_id, max_ks[i]) for i in eligible]
         ks = self.policy.choose(candidates, num_rows, num_tokens, token_budget_left)
         drafts: list[list[int]] = [[] for _ in rows]
-        for i, k in zip(eligible, ks):
+        for k in ks:
             self.num_rows_per_k[k] = self.num_rows_per_k.get(k, 0) + 1
-            if k > 0:
-                drafts[i] = self.proposer.propose_one(history_of(rows[i]), k).tolist()
+        drafting = [(i, k) for i, k in zip(eligible, ks) if k > 0]
+        if drafting:
+            requests = [rows[i] for i, _ in drafting]
+            proposed = self.proposer.propose_rows(requests, [k for _, k in drafting])
+            for (i, _), draft in zip(drafting, proposed):
+                drafts[i] = draft
         return drafts
 
     # ---- fed back by the engine ---------------------------------------------------------------
@@ -62,6 +106,8 @@ class Speculator:
         """A landed step (launched: runtime.step.model_runner.LaunchedStep, launched at
         time.perf_counter() launched_at): its measured cost and its rows' acceptance."""
         verified = launched.verified or {}
+        for request in out.preempted:  # its draft state goes with its KV (resumed: caught up)
+            self.proposer.release(request.request_id)
         if launched.host is not None and is_decode_only(out):
             num_tokens = out.num_scheduled_tokens + sum(map(len, out.draft_token_ids.values()))
             seconds = time.perf_counter() - launched_at
@@ -79,7 +125,7 @@ class Speculator:
 
     def reset_stats(self) -> None:
         """Benchmarks: count from here (the Prometheus counters never go back)."""
-        self.stats = SpecDecodeStats(self.config.num_speculative_tokens)
+        self.stats = SpecDecodeStats(self.num_speculative_tokens)
         self.num_rows_per_k = {}
 
     def summary(self) -> dict:
@@ -97,6 +143,7 @@ class Speculator:
         """A request's last output: its acceptance is forgotten, and its audit trail's last
         event (finished or aborted) carries its drafted and accepted token counts."""
         self.policy.acceptance.release(request.request_id)
+        self.proposer.release(request.request_id)
         if request.num_draft_tokens and request.events:
             request.events[-1].data.update(
                 num_draft_tokens=request.num_draft_tokens,
@@ -115,12 +162,20 @@ def history_of(request: Request) -> np.ndarray:
     return np.array(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
 
 
-def make_speculator(config) -> Speculator | None:
-    """config: runtime.config.EngineConfig. None when speculation is off."""
+def make_speculator(config, target=None, tokenizer=None) -> Speculator | None:
+    """config: runtime.config.EngineConfig. None when speculation is off. target: the engine's
+    runtime.step.model_runner.ModelRunner and tokenizer: its Tokenizer (a draft model needs
+    them: its device, dtype, cache size and tokenizer must match)."""
     if config.speculative == "off":
         return None
-    if config.speculative != "ngram":
-        raise NotImplementedError(f"--speculative {config.speculative} is not served yet")
-    return Speculator(
-        NgramConfig(config.ngram_min, config.ngram_max, config.num_speculative_tokens)
-    )
+    k = config.num_speculative_tokens
+    if config.speculative == "ngram":
+        return Speculator(k, PromptLookup(NgramConfig(config.ngram_min, config.ngram_max, k)))
+    if config.speculative == "draft":
+        cost = DraftCost()
+        step_cost = StepCostModel(keep_drafted_apart=True)
+        policy = SpeculationPolicy(k, step_cost, AcceptanceTracker(), draft_cost=cost)
+        draft = load_draft_model(config, target, tokenizer)
+        proposer = DraftModelProposer(draft, k, cost, max_catch_up_tokens=config.max_batch_tokens)
+        return Speculator(k, proposer, policy)
+    raise NotImplementedError(f"--speculative {config.speculative} is not served yet")

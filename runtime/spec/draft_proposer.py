@@ -1,0 +1,138 @@
+"""Drafts from a draft model: per row, catch up on the tokens its draft cache lacks, then k - 1
+greedy decode steps, batched across the rows that draft.
+
+A row's draft cache holds the KV of `num_computed` tokens: its true tokens, then `tail`, the
+drafts it fed itself last time, not verified yet. On the next call the tail is matched against
+the row's tokens; what the target rejected is rolled back by counting fewer tokens as computed,
+and the catch-up writes the true ones over them. The catch-up's last position gives the first
+draft, so a row with k drafts costs its catch-up and k - 1 one-token steps. The catch-ups of a
+call share a token budget (the engine's --max-batch-tokens), as prefill chunks do: a row with a
+long prompt to catch up on takes it in chunks over several steps, without drafts until done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.spec.draft_model import Chunk, DraftModel
+from runtime.spec.policy import DraftCost
+from scheduler.request import Request
+
+
+@dataclass
+class DraftRow:
+    """What a row's draft cache holds: num_computed tokens, the last len(tail) of them drafts."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    tail: list[int] = field(default_factory=list)
+
+    def num_valid(self, token_ids: list[int]) -> int:
+        """Tokens of the row's history whose KV the cache holds (the tail's accepted drafts)."""
+        base = self.num_computed - len(self.tail)
+        num_matched = 0
+        for drafted, true in zip(self.tail, token_ids[base:]):
+            if drafted != true:
+                break
+            num_matched += 1
+        return base + num_matched
+
+
+@dataclass(slots=True)
+class RowPlan:
+    """A row's work in this call: catch up on token_ids[start:end], then k drafts (k = 0: a
+    chunk of a long catch-up, no drafts yet)."""
+
+    row: DraftRow
+    token_ids: list[int]
+    start: int
+    end: int
+    k: int
+
+
+class DraftModelProposer:
+    def __init__(
+        self,
+        draft: DraftModel,
+        num_speculative_tokens: int,
+        cost: DraftCost | None = None,
+        max_catch_up_tokens: int = 2048,
+    ) -> None:
+        self.draft = draft
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_catch_up_tokens = max_catch_up_tokens
+        self.cost = cost if cost is not None else DraftCost()
+        self.rows: dict[str, DraftRow] = {}  # request id -> its draft cache
+
+    def propose_rows(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        """requests[i] wants up to ks[i] drafts. -> drafts per row (empty: k = 0, or no room in
+        the draft cache or the draft model's length)."""
+        started = time.perf_counter()
+        plans, budget = [], self.max_catch_up_tokens
+        for request, k in zip(requests, ks):
+            plan = self._plan(request, k, budget)
+            plans.append(plan)
+            if plan is not None:
+                budget -= plan.end - plan.start
+        active = sorted((p for p in plans if p is not None), key=lambda p: -p.k)
+        if not active:
+            return [[] for _ in requests]
+        drafts = [draft[: plan.k] for plan, draft in zip(active, self._run(active))]
+        for plan, draft in zip(active, drafts):
+            plan.row.num_computed = plan.end + max(plan.k - 1, 0)
+            plan.row.tail = draft[: plan.k - 1]
+        self._observe_cost(active, time.perf_counter() - started)
+        by_plan = {id(plan): draft for plan, draft in zip(active, drafts)}
+        return [by_plan.get(id(plan), []) for plan in plans]
+
+    def _plan(self, request: Request, k: int, budget: int) -> RowPlan | None:
+        token_ids = request.all_token_ids
+        k = min(k, self.num_speculative_tokens, self.draft.max_len - len(token_ids) + 1)
+        if k <= 0 or budget <= 0:
+            return None
+        row = self.rows.setdefault(request.request_id, DraftRow())
+        start = min(row.num_valid(token_ids), len(token_ids) - 1)  # the last token: always fed
+        end = min(len(token_ids), start + budget)
+        if end < len(token_ids):
+            k = 0  # a chunk of a long catch-up
+        num_slots = end + max(k - 1, 0)  # the catch-up, then k - 1 drafts fed back
+        if not self.draft.pool.grow(row.block_ids, -(-num_slots // self.draft.block_size)):
+            return None
+        return RowPlan(row, token_ids, start, end, k)
+
+    def _run(self, plans: list[RowPlan]) -> list[list[int]]:
+        """plans: sorted by k, largest first, so the rows of each decode step are a prefix."""
+        device = self.draft.device
+        catch_up = [t for p in plans for t in p.token_ids[p.start : p.end]]
+        chunks = [Chunk(p.row.block_ids, p.start, p.end - p.start) for p in plans]
+        tokens = self.draft.greedy_next(torch.tensor(catch_up, device=device), chunks)
+        steps = [tokens]  # [num_rows_drafting_j] per draft position j, on the device
+        for j in range(1, plans[0].k):
+            num_rows = sum(p.k > j for p in plans)
+            chunks = [Chunk(p.row.block_ids, len(p.token_ids) + j - 1, 1) for p in plans[:num_rows]]
+            tokens = self.draft.greedy_next(tokens[:num_rows], chunks)
+            steps.append(tokens)
+        flat = torch.cat(steps).tolist()  # the one copy back
+        drafts: list[list[int]] = [[] for _ in plans]
+        offset = 0
+        for step in steps:
+            for row in range(step.shape[0]):
+                drafts[row].append(flat[offset + row])
+            offset += step.shape[0]
+        return drafts
+
+    def _observe_cost(self, plans: list[RowPlan], seconds: float) -> None:
+        """Steady steps only: catching up on a prompt is no draft's price."""
+        num_caught_up = sum(p.end - p.start for p in plans)
+        if num_caught_up <= len(plans) * (self.num_speculative_tokens + 1):
+            self.cost.observe(sum(p.k for p in plans), seconds)
+
+    def release(self, request_id: str) -> None:
+        """The request finished, was aborted or preempted: its draft blocks go back."""
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.draft.pool.free(row.block_ids)

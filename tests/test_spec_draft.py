@@ -1,0 +1,226 @@
+"""Draft-model speculation on the real SmolLM2 (float32, weights dequantized), drafting for
+itself: greedy tokens identical with speculation on and off, at batch 1, in a mixed batch, with a
+stop string and max_tokens inside an accepted run, and with a swap and a recompute preemption
+in the middle; the draft's acceptance is near 1 (it is the target: a wrong draft cache or
+catch-up shows as rejections); its cache's blocks all come back. In CI time: the tiny random
+model drafting for itself through preemptions; a draft with another tokenizer refused at start."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.models import catalog
+from runtime.spec.draft_model import DraftTokenizerMismatch
+from runtime.spec.draft_proposer import DraftModelProposer
+from runtime.spec.policy import FixedK
+from scheduler.request import Request, SamplingParams
+
+SMOLLM2 = "smollm2-135m-instruct"
+PASSAGE = (
+    "The printing press was invented by Johannes Gutenberg around 1440. It used movable metal "
+    "type, oil-based ink and a wooden press adapted from wine presses."
+)
+
+
+def make_engine(k: int, **overrides) -> Engine:
+    settings = dict(
+        dtype="float32",
+        quantization="none",
+        num_kv_blocks=400,
+        max_num_seqs=8,
+        speculative="draft",
+        draft_model=SMOLLM2,
+    )
+    engine = Engine(EngineConfig(**(settings | overrides)))
+    engine.speculator.policy = FixedK(k)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return make_engine(4)
+
+
+def greedy(n: int, **more) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **more)
+
+
+def draft_pool(engine: Engine):
+    return engine.speculator.proposer.draft.pool
+
+
+def run(engine: Engine, prompts, params, speculate: bool) -> list[tuple]:
+    engine.scheduler.drafter = engine.speculator if speculate else None
+    requests = engine.generate(prompts, params)
+    assert draft_pool(engine).num_free_blocks == draft_pool(engine).num_blocks
+    return [(r.output_token_ids, r.output_text, r.finish_reason) for r in requests]
+
+
+def one_by_one(engine: Engine, prompts, params) -> list[tuple]:
+    """The reference: each prompt alone, without speculation."""
+    return [run(engine, [p], [sp], speculate=False)[0] for p, sp in zip(prompts, params)]
+
+
+def acceptance_since(engine: Engine, before: tuple[int, int]) -> float:
+    stats = engine.speculator.stats
+    drafted = stats.num_draft_tokens - before[0]
+    assert drafted > 0
+    return (stats.num_accepted_tokens - before[1]) / drafted
+
+
+def counts(engine: Engine) -> tuple[int, int]:
+    return engine.speculator.stats.num_draft_tokens, engine.speculator.stats.num_accepted_tokens
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_greedy_identical_at_batch_1_and_drafts_accepted(engine):
+    prompt = engine.tokenizer.encode("Write a short poem about the sea.")
+    plain = run(engine, [prompt], [greedy(40)], speculate=False)
+    before = counts(engine)
+    assert run(engine, [prompt], [greedy(40)], speculate=True) == plain
+    assert acceptance_since(engine, before) > 0.9
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_greedy_identical_in_a_mixed_batch(engine):
+    prompts = [
+        engine.tokenizer.encode(f"Text: {PASSAGE}\nThe same text again: {PASSAGE[:30]}"),
+        engine.tokenizer.encode("Write a short poem about the sea."),
+        engine.tokenizer.encode("List three colours: red, green,"),
+        engine.tokenizer.encode(PASSAGE.upper()),
+    ]
+    params = [greedy(33), greedy(24), greedy(17), greedy(29)]
+    plain = run(engine, prompts, params, speculate=False)
+    before = counts(engine)
+    assert run(engine, prompts, params, speculate=True) == plain
+    assert acceptance_since(engine, before) > 0.9
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_stop_strings_and_max_tokens_inside_an_accepted_run(engine):
+    prompt = engine.tokenizer.encode("Write a short poem about the sea.")
+    full = run(engine, [prompt], [greedy(24)], speculate=False)[0]
+    text = full[1]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = [greedy(7), greedy(24, stop=[stop]), greedy(24, stop_token_ids=[full[0][9]])]
+    expected = one_by_one(engine, [prompt] * 3, params)
+    assert run(engine, [prompt] * 3, params, speculate=True) == expected
+    assert expected[1][2] == "stop" and len(expected[2][0]) < 24
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_after_rejections_the_drafts_are_those_of_a_fresh_draft_cache(engine):
+    """The target rejects a draft (a token other than the draft's follows the accepted ones),
+    and now and then the row decodes a few steps without drafts: the row's cache rolls back and
+    catches up, and drafts what a cache built from scratch on the same tokens drafts."""
+    proposer = engine.speculator.proposer
+    fresh = DraftModelProposer(proposer.draft, num_speculative_tokens=4)
+    request = Request("rolled-back", engine.tokenizer.encode(PASSAGE))
+    for step in range(8):
+        drafts = proposer.propose_rows([request], [4])[0]
+        assert drafts == fresh.propose_rows([request], [4])[0]
+        fresh.release(request.request_id)
+        num_accepted = step % 4
+        rejected = drafts[num_accepted]
+        request.output_token_ids += [*drafts[:num_accepted], (rejected + 7) % 49152]
+        if step % 2:  # steps without drafts
+            request.output_token_ids += [11, 12]
+    proposer.release(request.request_id)
+    assert draft_pool(engine).num_free_blocks == draft_pool(engine).num_blocks
+
+
+@pytest.fixture(scope="module")
+def tight() -> Engine:
+    """A KV cache of 10 blocks for 6 requests of 12-32 prompt tokens and 20 more: preemptions."""
+    return make_engine(3, num_kv_blocks=10, max_num_seqs=6, swap_space=0.01,
+                       enable_prefix_caching=False)  # fmt: skip
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_in_the_middle_keeps_greedy_tokens_and_frees_draft_blocks(tight, mode):
+    tight.reset_scheduler(preemption_mode=mode)
+    tight.scheduler.drafter = tight.speculator
+    prompts = [[3 + i, 4, 5, 6] * (3 + i) for i in range(6)]
+    params = [greedy(20) for _ in prompts]
+    before = counts(tight)
+    requests = [tight.add_request(p, sp) for p, sp in zip(prompts, params)]
+    proposer = tight.speculator.proposer
+    while tight.has_unfinished():
+        tight.step()
+        preempted = [r for r in requests if r.preempted_mode is not None]
+        assert not any(r.request_id in proposer.rows for r in preempted)
+    assert tight.scheduler.num_preemptions[mode] > 0
+    assert draft_pool(tight).num_free_blocks == draft_pool(tight).num_blocks
+    assert acceptance_since(tight, before) > 0.9
+    speculated = [(r.output_token_ids, r.output_text, r.finish_reason) for r in requests]
+    assert speculated == one_by_one(tight, prompts, params)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_an_aborted_request_gives_its_draft_blocks_back(engine):
+    engine.scheduler.drafter = engine.speculator
+    request = engine.add_request(engine.tokenizer.encode(PASSAGE), greedy(40))
+    while request.num_draft_tokens == 0:
+        engine.step()
+    assert request.request_id in engine.speculator.proposer.rows
+    engine.abort(request.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert draft_pool(engine).num_free_blocks == draft_pool(engine).num_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> Engine:
+    """CI-sized: the random 2-layer model as target and draft, 10 blocks for 6 requests."""
+    return make_engine(3, model=str(tiny_model_dir), draft_model=str(tiny_model_dir),
+                       num_kv_blocks=10, max_num_seqs=6, swap_space=0.01,
+                       enable_prefix_caching=False)  # fmt: skip
+
+
+def test_a_tiny_model_drafting_for_itself_through_preemptions(tiny):
+    engine = tiny
+    prompts = [[3 + i, 4, 5, 6] * (3 + i) for i in range(6)]
+    params = [greedy(20) for _ in prompts]
+    before = counts(engine)
+    speculated = run(engine, prompts, params, speculate=True)
+    assert sum(engine.scheduler.num_preemptions.values()) > 0
+    assert acceptance_since(engine, before) > 0.9
+    assert speculated == one_by_one(engine, prompts, params)
+
+
+def test_a_long_catch_up_comes_in_chunks_then_drafts_as_a_fresh_cache(tiny):
+    """Catch-ups share a token budget per call: a 40-token prompt with 16 a call takes two
+    calls without drafts, then the third catches up on the last 8 and drafts what a cache
+    without the budget drafts."""
+    draft = tiny.speculator.proposer.draft
+    chunked = DraftModelProposer(draft, num_speculative_tokens=4, max_catch_up_tokens=16)
+    whole = DraftModelProposer(draft, num_speculative_tokens=4)
+    request = Request("long", [5 + i % 30 for i in range(40)])
+    assert [chunked.propose_rows([request], [4])[0] for _ in range(2)] == [[], []]
+    assert chunked.rows["long"].num_computed == 32
+    drafts = chunked.propose_rows([request], [4])[0]
+    assert len(drafts) == 4 and drafts == whole.propose_rows([request], [4])[0]
+    for proposer in (chunked, whole):
+        proposer.release("long")
+    assert draft.pool.num_free_blocks == draft.pool.num_blocks
+
+
+@pytest.mark.parametrize("draft", ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"])
+def test_a_draft_with_another_tokenizer_is_refused_at_start(tiny_model_dir, draft):
+    if catalog.available_path(draft) is None:
+        pytest.skip(f"{draft} is not pulled (`conveyor models pull {draft}`)")
+    config = EngineConfig(
+        model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16, speculative="draft",
+        draft_model=draft,
+    )  # fmt: skip
+    with pytest.raises(DraftTokenizerMismatch, match="does not share the target model's tok"):
+        Engine(config)
