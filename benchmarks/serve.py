@@ -399,7 +399,9 @@ async def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError("--num-prompts must be at least 1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base_url = args.base_url.rstrip("/")
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # generation: a connection per request (as vllm bench serve's session per request): a kept-alive
+    # connection the server has closed fails the next request's write (llama-server's, 16 of 64)
+    connector = aiohttp.TCPConnector(limit=0, force_close=args.endpoint != MODELS)
     timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if args.endpoint == MODELS:
