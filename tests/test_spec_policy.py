@@ -164,29 +164,3 @@ def test_stats_count_drafts_and_accepted_tokens_per_position():
     assert stats.acceptance_rate == pytest.approx(2 / 5)
     assert stats.mean_accepted_length == pytest.approx(2.0)
     assert stats.num_drafts_per_k == {3: 1, 2: 1}
-
-
-def test_a_costly_draft_model_probes_one_draft_first_then_every_interval_steps():
-    """At the prior acceptance a 30 ms draft never pays on a 20 ms step: the row is probed on
-    its first step and then once every probe_interval steps, never without budget, and a probe
-    whose draft is accepted lets the goodput keep drafting."""
-    policy = SpeculationPolicy(
-        5, fitted_cost(0.02, 0.00001), AcceptanceTracker(), draft_cost=draft_cost(0.03),
-        probe_interval=4,
-    )  # fmt: skip
-    rows = [RowCandidate("new", 10)]
-    ks = [policy.choose(rows, 1, 1, token_budget_left=100)[0] for _ in range(10)]
-    assert ks == [1, 0, 0, 0, 0, 1, 0, 0, 0, 0]
-    assert policy.choose([RowCandidate("other", 10)], 1, 1, token_budget_left=0) == [0]
-    for _ in range(20):
-        policy.observe("copy", 5, 5)  # every draft accepted: the rate near 1
-    policy.draft_cost = draft_cost(0.004)
-    assert policy.choose([RowCandidate("copy", 10)], 1, 1, token_budget_left=100)[0] == 5
-
-
-def test_prompt_lookup_never_probes():
-    """Its drafts cost nothing to propose: the goodput alone decides (and relaxes a rejected
-    row's rate back toward the prior, which probes it again); no probe is added on top."""
-    policy = SpeculationPolicy(5, fitted_cost(0.02, 0.05), AcceptanceTracker())  # costly tokens
-    rows = [RowCandidate("new", 10)]
-    assert all(policy.choose(rows, 1, 1, token_budget_left=100) == [0] for _ in range(40))

@@ -19,11 +19,6 @@ A draft model's own forward passes cost time the target's step does not show: `D
 measures its seconds per drafted token, and each draft is charged that on top of the step's
 predicted cost, so k is chosen from expected tokens / (target step + draft). Prompt lookup
 costs nothing here (no DraftCost).
-A costly draft model never drafts at the prior acceptance, so it would never learn a row's
-real one: with a DraftCost, a row the goodput left at k = 0 is probed with one draft on its first
-step and every `probe_interval` steps after (four times as rarely below `min_acceptance`). A
-probe costs a step one more token and one draft: at most a few percent when nothing is accepted,
-nothing when its draft is, and it finds the copy-heavy rows where a full k pays.
 """
 
 from __future__ import annotations
@@ -98,13 +93,11 @@ class AcceptanceTracker:
     def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9):
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self._trials: dict[str, tuple[float, float]] = {}  # request id -> (accepted, tried)
-        self._waits: dict[str, int] = {}  # request id -> steps since its last draft or probe
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """A verified row: its drafts were tried up to and including the first rejection."""
         if num_drafted == 0:
             return
-        self._waits[request_id] = 0
         accepted, tried = self._trials.get(request_id, (0.0, 0.0))
         num_tried = num_accepted + (num_accepted < num_drafted)
         self._trials[request_id] = (
@@ -123,15 +116,8 @@ class AcceptanceTracker:
         if tried:
             self._trials[request_id] = (self.decay * accepted, self.decay * tried)
 
-    def due_for_probe(self, request_id: str, interval: int) -> bool:
-        """A row left at k = 0: True on its first step, then once every `interval` steps."""
-        waited = self._waits.get(request_id, interval)
-        self._waits[request_id] = 0 if waited >= interval else waited + 1
-        return waited >= interval
-
     def release(self, request_id: str) -> None:
         self._trials.pop(request_id, None)
-        self._waits.pop(request_id, None)
 
 
 @dataclass(frozen=True)
@@ -148,14 +134,12 @@ class SpeculationPolicy:
         acceptance: AcceptanceTracker,
         min_acceptance: float = 0.2,
         draft_cost: DraftCost | None = None,
-        probe_interval: int = 16,
     ):
         self.num_speculative_tokens = num_speculative_tokens
         self.min_acceptance = min_acceptance
         self.cost = cost
         self.acceptance = acceptance
         self.draft_cost = draft_cost  # None: drafts cost the proposer nothing (prompt lookup)
-        self.probe_interval = probe_interval  # with a draft_cost: see the module's docstring
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(request_id, num_drafted, num_accepted)
@@ -193,18 +177,7 @@ class SpeculationPolicy:
             ks[i] += 1
             if ks[i] < self._cap(rows[i]):
                 heapq.heappush(heap, (negative_gain * rates[i], i))
-        if self.draft_cost is not None:
-            self._probe(rows, rates, ks, token_budget_left - extra)
         return ks
-
-    def _probe(self, rows, rates, ks: list[int], budget_left: int) -> None:
-        """One draft for the rows at k = 0 that are due a probe, while budget is left."""
-        for i, (row, rate) in enumerate(zip(rows, rates)):
-            if ks[i] or budget_left <= 0 or self._cap(row) == 0:
-                continue
-            rare = 1 if rate >= self.min_acceptance else 4
-            if self.acceptance.due_for_probe(row.request_id, self.probe_interval * rare):
-                ks[i], budget_left = 1, budget_left - 1
 
     def _cap(self, row: RowCandidate) -> int:
         return min(self.num_speculative_tokens, row.max_k)
