@@ -21,7 +21,7 @@ from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kernels import reference  # noqa: E402
+from kernels import native, reference  # noqa: E402
 from kernels.dispatch import REFERENCE_KERNELS, _triton_kernels, get_kernels  # noqa: E402
 
 KERNEL_MODULES = ("triton_kvcache", "triton_attention", "triton_norm_rope")
@@ -239,7 +239,10 @@ def test_rotary_embedding_matches_reference(under_test, dtype, group):
 
 
 def test_dispatch_picks_triton_on_cuda_and_references_elsewhere(monkeypatch):
+    assert get_kernels(torch.device("cpu")).name == "native-cpu"  # references + native layer ops
+    monkeypatch.setattr(native, "native_ops", lambda: None)
     assert get_kernels(torch.device("cpu")) is REFERENCE_KERNELS
+    monkeypatch.undo()
     triton_kernels = get_kernels(torch.device("cuda"))
     assert triton_kernels.name == "triton"
     assert triton_kernels.paged_attention_decode.__module__ == "kernels.triton_attention"

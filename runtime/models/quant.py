@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import threading
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -82,6 +84,26 @@ def bf16_tiles() -> bool:
     there torch's matmul (oneDNN's AMX tiles) multiplies far faster than vdpbf16ps."""
     ops = native_ops()
     return ops is not None and ops.quant_gemm_available() and "amx_bf16" not in cpu_flags()
+
+
+class _StepKind(threading.local):
+    has_prompt_rows = False  # the step running on this thread computes prompt tokens
+
+
+_STEP = _StepKind()
+
+
+@contextmanager
+def prompt_step(has_prompt_rows: bool):
+    """While a step that computes prompt tokens runs, every row count takes the many-rows
+    kernel: a prompt's rows then round the same whether they come in one chunk or as the two or
+    three tokens a prefix-cache hit leaves (the integer kernel rounds otherwise, and a greedy
+    near-tie followed the cache: tests/test_quantized_model.py)."""
+    previous, _STEP.has_prompt_rows = _STEP.has_prompt_rows, has_prompt_rows
+    try:
+        yield
+    finally:
+        _STEP.has_prompt_rows = previous
 
 
 def integer_dot_rows(dtype: torch.dtype) -> int:
@@ -172,7 +194,8 @@ class QuantizedWeight(nn.Module):
                 rows, self.blocks, self.ggml_type, self.out_features, self.in_features
             )
         ops = self._native()
-        if ops is not None and rows.shape[0] <= integer_dot_rows(rows.dtype):
+        few = rows.shape[0] <= integer_dot_rows(rows.dtype) and not _STEP.has_prompt_rows
+        if ops is not None and few:
             kernel = ops.quant_dot if integer_dots() else ops.quant_matmul
             return kernel(
                 rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features

@@ -13,6 +13,7 @@ import torch
 from runtime.config import EngineConfig
 from runtime.models.attention import AttentionBackend, ForwardContext
 from runtime.models.loader import ModelSource, load_model, open_model
+from runtime.models.quant import prompt_step
 from runtime.sampling.plan import penalty_inputs, unpack
 from runtime.sampling.sampler import Sampler
 from runtime.spec.verify import RejectionSampler, VerifyRow, accept_greedy
@@ -179,7 +180,7 @@ class ModelRunner:
         inputs = device_step(self.input_batch, host, staged, previous_ids)
         self.backend.prepare(inputs.attn)
         mask = self._start_grammar_masks(host)  # filled on a worker while the forward runs
-        hidden = self._forward(inputs)  # [num_tokens, hidden]
+        hidden = self._forward_step(inputs, out)  # [num_tokens, hidden]
         verified = self._verify(hidden, host, inputs, out) if host.verify_request_ids else None
         if not host.sample_request_ids:
             return LaunchedStep(host, None, verified=verified)
@@ -271,6 +272,13 @@ class ModelRunner:
             )
         )
         return tokens
+
+    def _forward_step(self, inputs: StepInputs, out: SchedulerOutput) -> torch.Tensor:
+        if not self.model.quantized_names:
+            return self._forward(inputs)
+        computes_prompt = any(r.num_computed_tokens < r.num_prompt_tokens for r, _ in out.scheduled)
+        with prompt_step(computes_prompt):
+            return self._forward(inputs)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         for graphs in (self.decode_graphs, self.mixed_graphs):
