@@ -1,5 +1,6 @@
 """Pick the kernels for a device: Triton on CUDA (when triton imports); on CPU the torch
-references with native RMSNorm and RoPE where the native kernels are built; else the references. Triton stays optional: nothing here imports it unless a CUDA device asks."""
+references with native RMSNorm, RoPE and KV store where the native kernels are built; else the
+references. Triton stays optional: nothing here imports it unless a CUDA device asks."""
 
 from __future__ import annotations
 

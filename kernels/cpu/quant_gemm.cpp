@@ -191,7 +191,10 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& weight, int64_t typ
   const int64_t tile_rows = tile_rows_for(out, in);
   const int64_t num_tiles = (out + tile_rows - 1) / tile_rows;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> tile(tile_rows * in);
+    // the worker's tile, kept between calls: a fresh vector zeroed up to 256 KiB a call, a
+    // hundred calls a step (every row a tile uses is written below, its padding included)
+    thread_local std::vector<uint16_t> tile;
+    if (tile.size() < static_cast<size_t>(tile_rows * in)) tile.resize(tile_rows * in);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t o0 = t * tile_rows, count = std::min(tile_rows, out - o0);
       const int64_t padded = (count + kBlock - 1) / kBlock * kBlock;

@@ -94,7 +94,8 @@ class BlockPool:
         return len(self.free_ids)
 
     def grow(self, block_ids: list[int], num_blocks: int) -> bool:
-        """Extend block_ids to num_blocks blocks; False (and nothing taken) when too few are free."""
+        """Extend block_ids to num_blocks blocks; False (and nothing taken) when too few are
+        free."""
         missing = num_blocks - len(block_ids)
         if missing > len(self.free_ids):
             return False
