@@ -82,89 +82,109 @@ inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
   }
 }
 
-// the 32-value sub-blocks of a type: Visit(sub, index of the sub-block in the row)
-template <typename Visit>
-inline void q4_0_subs(const uint8_t* b, int64_t s, Visit&& visit) {
+// One sub-block on its own: s is its index in the row (for the K-quants, j its index in the
+// super-block at b). The visitors below decode a K-quant's shared fields once per super-block.
+inline SubBlock q4_0_sub(const uint8_t* b) {
   const float d = half_at(b);
-  visit(SubBlock{nibbles_low_then_high(b + 2), _mm256_set1_ps(d), _mm256_set1_ps(-8.f * d)}, s);
+  return SubBlock{nibbles_low_then_high(b + 2), _mm256_set1_ps(d), _mm256_set1_ps(-8.f * d)};
 }
 
-template <typename Visit>
-inline void q4_1_subs(const uint8_t* b, int64_t s, Visit&& visit) {
-  visit(SubBlock{nibbles_low_then_high(b + 4), _mm256_set1_ps(half_at(b)), _mm256_set1_ps(half_at(b + 2))}, s);
+inline SubBlock q4_1_sub(const uint8_t* b) {
+  return SubBlock{nibbles_low_then_high(b + 4), _mm256_set1_ps(half_at(b)), _mm256_set1_ps(half_at(b + 2))};
 }
 
-template <typename Visit>
-inline void q5_0_subs(const uint8_t* b, int64_t s, Visit&& visit) {
+inline SubBlock q5_0_sub(const uint8_t* b) {
   const float d = half_at(b);
   uint32_t qh;
   std::memcpy(&qh, b + 2, 4);
   const __m256i codes = _mm256_or_si256(nibbles_low_then_high(b + 6), bit_bytes(qh));
-  visit(SubBlock{codes, _mm256_set1_ps(d), _mm256_set1_ps(-16.f * d)}, s);
+  return SubBlock{codes, _mm256_set1_ps(d), _mm256_set1_ps(-16.f * d)};
 }
 
-template <typename Visit>
-inline void q8_0_subs(const uint8_t* b, int64_t s, Visit&& visit) {
+inline SubBlock q8_0_sub(const uint8_t* b) {
   const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   SubBlock sub{_mm256_abs_epi8(q), _mm256_set1_ps(half_at(b)), _mm256_setzero_ps()};
   sub.sign_of = q;
   sub.is_signed = true;
   sub.has_offset = false;
-  visit(sub, s);
+  return sub;
 }
 
-// Q4_K (high null) and Q5_K: 8 sub-blocks; w = d * scale_j * q - dmin * min_j
-template <typename Visit>
-inline void k4_k5_subs(const uint8_t* b, const uint8_t* qs, const uint8_t* high, int64_t s, Visit&& visit) {
-  const float d = half_at(b), dmin = half_at(b + 2);
-  const uint8_t* scales = b + 4;
+// Q4_K (high_bits null) and Q5_K: sub-block j of 8; w = d * scale_j * q - dmin * min_j
+inline SubBlock k4_k5_sub(float d, float dmin, const uint8_t* scales, const uint8_t* qs, const __m256i* high_bits,
+                          int j) {
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32));
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i high_bits =
-      high ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)) : _mm256_setzero_si256();
-  for (int pair = 0; pair < 4; ++pair) {
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + pair * 32));
-    for (int half = 0; half < 2; ++half) {
-      const int j = pair * 2 + half;
-      __m256i codes = _mm256_and_si256(half ? _mm256_srli_epi16(packed, 4) : packed, mask);
-      if (high) {
-        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high_bits, j), _mm256_set1_epi8(1));
-        codes = _mm256_or_si256(codes, _mm256_slli_epi16(bit, 4));
-      }
-      int scale, min;
-      scale_min_k4(j, scales, &scale, &min);
-      visit(SubBlock{codes, _mm256_set1_ps(d * scale), _mm256_set1_ps(-dmin * min)}, s * 8 + j);
-    }
+  __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, mask);
+  if (high_bits) {
+    const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(*high_bits, j), _mm256_set1_epi8(1));
+    codes = _mm256_or_si256(codes, _mm256_slli_epi16(bit, 4));
   }
+  int scale, min;
+  scale_min_k4(j, scales, &scale, &min);
+  return SubBlock{codes, _mm256_set1_ps(d * scale), _mm256_set1_ps(-dmin * min)};
 }
 
 // Q6_K: 2 halves of 128 values, 4 sub-blocks of 32 each, a signed scale per 16 values;
 // w = d * scale * (q - 32), q in 0..63 from 4 low bits (ql) and 2 high bits (qh)
+inline SubBlock q6_k_sub(float d, const uint8_t* b, int j) {
+  const int half = j / 4, k = j % 4;
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + half * 64 + (k & 1) * 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32));
+  const __m256i low = _mm256_and_si256(k < 2 ? packed : _mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
+  const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), _mm256_set1_epi8(3));
+  const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + half * 8);
+  const float s0 = d * sc[2 * k], s1 = d * sc[2 * k + 1];
+  return SubBlock{codes, two_halves(s0, s1), two_halves(-32.f * s0, -32.f * s1)};
+}
+
+// bytes of a K-quant's super-block
+constexpr int64_t kQ4kBytes = 144, kQ5kBytes = 176, kQ6kBytes = 210;
+
+template <int64_t kType>
+constexpr int kSubsPerBlock = kType == Q4_K || kType == Q5_K || kType == Q6_K ? 8 : 1;
+
+// sub-block s0 + j of a row of type kType, s0 the first of its block (j < kSubsPerBlock)
+template <int64_t kType>
+inline SubBlock sub_block_in(const uint8_t* row, int64_t s0, int j) {
+  if constexpr (kType == Q4_0) return q4_0_sub(row + s0 * 18);
+  if constexpr (kType == Q4_1) return q4_1_sub(row + s0 * 20);
+  if constexpr (kType == Q5_0) return q5_0_sub(row + s0 * 22);
+  if constexpr (kType == Q8_0) return q8_0_sub(row + s0 * 34);
+  if constexpr (kType == Q4_K || kType == Q5_K) {
+    const bool five = kType == Q5_K;
+    const uint8_t* b = row + (s0 / 8) * (five ? kQ5kBytes : kQ4kBytes);
+    const __m256i high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));  // Q5_K's
+    return k4_k5_sub(half_at(b), half_at(b + 2), b + 4, b + (five ? 48 : 16), five ? &high_bits : nullptr, j);
+  }
+  if constexpr (kType == Q6_K) {
+    const uint8_t* b = row + (s0 / 8) * kQ6kBytes;
+    return q6_k_sub(half_at(b + 208), b, j);
+  }
+}
+
+// the 32-value sub-blocks of a row: Visit(sub, index of the sub-block in the row)
+template <typename Visit>
+inline void k4_k5_subs(const uint8_t* b, const uint8_t* qs, const uint8_t* high, int64_t s, Visit&& visit) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const __m256i high_bits = high ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)) : _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) visit(k4_k5_sub(d, dmin, b + 4, qs, high ? &high_bits : nullptr, j), s * 8 + j);
+}
+
 template <typename Visit>
 inline void q6_k_subs(const uint8_t* b, int64_t s, Visit&& visit) {
   const float d = half_at(b + 208);
-  const __m256i low_mask = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3);
-  for (int half = 0; half < 2; ++half) {
-    const uint8_t* ql = b + half * 64;
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32));
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + half * 8);
-    for (int k = 0; k < 4; ++k) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + (k & 1) * 32));
-      const __m256i low = _mm256_and_si256(k < 2 ? packed : _mm256_srli_epi16(packed, 4), low_mask);
-      const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two_bits);
-      const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
-      const float s0 = d * sc[2 * k], s1 = d * sc[2 * k + 1];
-      visit(SubBlock{codes, two_halves(s0, s1), two_halves(-32.f * s0, -32.f * s1)}, s * 8 + half * 4 + k);
-    }
-  }
+  for (int j = 0; j < 8; ++j) visit(q6_k_sub(d, b, j), s * 8 + j);
 }
 
 template <typename Visit>
 inline void visit_row(int64_t type, const uint8_t* row, int64_t in, Visit&& visit) {
   switch (type) {
-    case Q4_0: for (int64_t s = 0; s < in / 32; ++s) q4_0_subs(row + s * 18, s, visit); break;
-    case Q4_1: for (int64_t s = 0; s < in / 32; ++s) q4_1_subs(row + s * 20, s, visit); break;
-    case Q5_0: for (int64_t s = 0; s < in / 32; ++s) q5_0_subs(row + s * 22, s, visit); break;
-    case Q8_0: for (int64_t s = 0; s < in / 32; ++s) q8_0_subs(row + s * 34, s, visit); break;
+    case Q4_0: for (int64_t s = 0; s < in / 32; ++s) visit(q4_0_sub(row + s * 18), s); break;
+    case Q4_1: for (int64_t s = 0; s < in / 32; ++s) visit(q4_1_sub(row + s * 20), s); break;
+    case Q5_0: for (int64_t s = 0; s < in / 32; ++s) visit(q5_0_sub(row + s * 22), s); break;
+    case Q8_0: for (int64_t s = 0; s < in / 32; ++s) visit(q8_0_sub(row + s * 34), s); break;
     case Q4_K:
       for (int64_t s = 0; s < in / 256; ++s) k4_k5_subs(row + s * 144, row + s * 144 + 16, nullptr, s, visit);
       break;

@@ -124,49 +124,97 @@ inline __m256i codes_for(const SubBlock& sub, const int8_t* codes) {
   return sub.is_signed ? _mm256_sign_epi8(x, sub.sign_of) : x;
 }
 
-// y[r * out + o] for R rows of x (starting at row r0) and one weight row o
-template <int R, bool kResidual, typename T>
-void dot_rows(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRows& xq, int64_t r0,
-              int64_t out, int64_t o, T* y) {
-  const int64_t blocks = in / 32;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  visit_row(type, wrow, in, [&](const SubBlock& sub, int64_t s) CONVEYOR_INLINE {
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (r0 + r) * blocks + s;
-      __m256i dot = dot_lanes(_mm256_setzero_si256(), sub.codes, codes_for(sub, xq.codes.data() + xb * 32));
-      if constexpr (kResidual)
-        dot = dot_lanes(_mm256_slli_epi32(dot, 8), sub.codes, codes_for(sub, xq.residual_codes.data() + xb * 32));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sub.scale, _mm256_set1_ps(xq.dot_scales[xb])),
-                               acc[r]);
-      if (sub.has_offset)
-        acc[r] = _mm256_fmadd_ps(sub.offset, _mm256_loadu_ps(xq.lane_sums.data() + xb * 8), acc[r]);
+// y for R rows of x (from row r0) and kOut weight rows (from o0; `valid` of them stored): the
+// x side of each sub-block is read once for the kOut weight rows, and the kOut * R accumulators
+// are independent chains (one row's chain alone made the FMA latency the bound).
+template <int64_t kType, int kOut, int R, bool kResidual, typename T>
+void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t subs, const QuantizedRows& xq, int64_t r0, int64_t o0,
+              int valid, int64_t out, T* y) {
+  const uint8_t* rows[kOut];
+  for (int i = 0; i < kOut; ++i) rows[i] = w + (o0 + std::min(i, valid - 1)) * row_bytes;
+  __m256 acc[kOut][R];
+  for (int i = 0; i < kOut; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  // kOut rows read side by side are kOut streams, which the hardware prefetcher served at half
+  // the speed of one: the next group's rows (contiguous) are fetched at the pace this one is read
+  const char* next_group = reinterpret_cast<const char*>(w + (o0 + kOut) * row_bytes);
+  const int64_t ahead_per_sub = kOut * row_bytes / subs;
+  const bool fits_l1 = kOut * row_bytes <= 16384;
+  constexpr int kPerStep = kSubsPerBlock<kType>;  // a K-quant's 8 sub-blocks, their j constant
+  for (int64_t s0 = 0; s0 < subs; s0 += kPerStep) {
+#pragma GCC unroll 8
+    for (int j = 0; j < kPerStep; ++j) {
+      const int64_t s = s0 + j;
+      for (int64_t b = s * ahead_per_sub; b < (s + 1) * ahead_per_sub; b += 64)
+        fits_l1 ? _mm_prefetch(next_group + b, _MM_HINT_T0) : _mm_prefetch(next_group + b, _MM_HINT_T1);
+#pragma GCC unroll 8
+      for (int i = 0; i < kOut; ++i) {
+        const SubBlock sub = sub_block_in<kType>(rows[i], s0, j);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const int64_t xb = (r0 + r) * subs + s;
+          __m256i dot = dot_lanes(_mm256_setzero_si256(), sub.codes, codes_for(sub, xq.codes.data() + xb * 32));
+          if constexpr (kResidual)
+            dot = dot_lanes(_mm256_slli_epi32(dot, 8), sub.codes, codes_for(sub, xq.residual_codes.data() + xb * 32));
+          const __m256 scale = _mm256_mul_ps(sub.scale, _mm256_broadcast_ss(xq.dot_scales.data() + xb));
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i][r]);
+          if (sub.has_offset)
+            acc[i][r] = _mm256_fmadd_ps(sub.offset, _mm256_loadu_ps(xq.lane_sums.data() + xb * 8), acc[i][r]);
+        }
+      }
     }
-  });
-  for (int r = 0; r < R; ++r) y[(r0 + r) * out + o] = static_cast<T>(sum_lanes(acc[r]));
+  }
+  for (int i = 0; i < valid; ++i)
+    for (int r = 0; r < R; ++r) y[(r0 + r) * out + o0 + i] = static_cast<T>(sum_lanes(acc[i][r]));
 }
 
-template <bool kResidual, typename T>
-void dot_chunk(int64_t type, const uint8_t* wrow, int64_t in, const QuantizedRows& xq, int64_t r0,
-               int64_t count, int64_t out, int64_t o, T* y) {
-  switch (count) {
-    case 1: return dot_rows<1, kResidual>(type, wrow, in, xq, r0, out, o, y);
-    case 2: return dot_rows<2, kResidual>(type, wrow, in, xq, r0, out, o, y);
-    case 3: return dot_rows<3, kResidual>(type, wrow, in, xq, r0, out, o, y);
-    default: return dot_rows<4, kResidual>(type, wrow, in, xq, r0, out, o, y);
+// y [rows, out] in x's dtype: threads over groups of weight rows, each read once per call
+template <int64_t kType, int R, bool kResidual, typename T>
+void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t r0, int64_t out,
+              T* y) {
+  constexpr int kOut = R == 1 && kSubsPerBlock<kType> == 1 ? 8 : 4;  // 8 * 1 or 4 * R accumulators
+  const int64_t groups = (out + kOut - 1) / kOut;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int valid = static_cast<int>(std::min<int64_t>(kOut, out - g * kOut));
+      dot_tile<kType, kOut, R, kResidual>(w, row_bytes, in / 32, xq, r0, g * kOut, valid, out, y);
+    }
+  });
+}
+
+template <int64_t kType, bool kResidual, typename T>
+void dot_all_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t rows,
+                  int64_t out, T* y) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, rows - r0)) {
+      case 1: dot_rows<kType, 1, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
+      case 2: dot_rows<kType, 2, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
+      case 3: dot_rows<kType, 3, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
+      default: dot_rows<kType, 4, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
+    }
   }
 }
 
-// y [rows, out] in x's dtype
+template <int64_t kType, typename T>
+void dot_type(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t rows, int64_t out,
+              bool residual, T* y) {
+  if (residual) return dot_all_rows<kType, true>(w, row_bytes, in, xq, rows, out, y);
+  dot_all_rows<kType, false>(w, row_bytes, in, xq, rows, out, y);
+}
+
 template <typename T>
-void dot_all(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq,
-             int64_t rows, int64_t out, bool residual, T* y) {
-  const auto chunk = residual ? dot_chunk<true, T> : dot_chunk<false, T>;
-  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o)
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows)
-        chunk(type, w + o * row_bytes, in, xq, r0, std::min<int64_t>(kMaxRows, rows - r0), out, o, y);
-  });
+void dot_all(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t rows,
+             int64_t out, bool residual, T* y) {
+  switch (type) {
+    case Q4_0: return dot_type<Q4_0>(w, row_bytes, in, xq, rows, out, residual, y);
+    case Q4_1: return dot_type<Q4_1>(w, row_bytes, in, xq, rows, out, residual, y);
+    case Q5_0: return dot_type<Q5_0>(w, row_bytes, in, xq, rows, out, residual, y);
+    case Q8_0: return dot_type<Q8_0>(w, row_bytes, in, xq, rows, out, residual, y);
+    case Q4_K: return dot_type<Q4_K>(w, row_bytes, in, xq, rows, out, residual, y);
+    case Q5_K: return dot_type<Q5_K>(w, row_bytes, in, xq, rows, out, residual, y);
+    case Q6_K: return dot_type<Q6_K>(w, row_bytes, in, xq, rows, out, residual, y);
+    default: TORCH_CHECK(false, "quant_dot: no kernel for ggml type ", type);
+  }
 }
 
 void check_dot_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t row_bytes, int64_t out, int64_t in) {
