@@ -101,13 +101,18 @@ def teacher_forced(engine: Engine, ids: list[int]) -> TeacherForced:
     from the final norm's output by the model's own lm_head."""
     model = engine.runner.model
     hidden_chunks: list[torch.Tensor] = []
-    hook = model.norm.register_forward_hook(
-        lambda _module, _args, output: hidden_chunks.append(output[0].detach().clone())
-    )
+    norm_forward = model.norm.forward
+
+    def keep_output(*args):  # the norm is a StepModule: no forward hooks
+        output = norm_forward(*args)
+        hidden_chunks.append(output[0].detach().clone())
+        return output
+
+    model.norm.forward = keep_output
     try:
         engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     finally:
-        hook.remove()
+        del model.norm.forward
     argmax, logprobs = [], []
     targets = torch.tensor(ids[1:] + [0])
     start = 0

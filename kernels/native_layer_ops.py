@@ -58,5 +58,5 @@ def rotary_with_plan(
 
 def _native_fits(dtype: torch.dtype, tensors) -> bool:
     return dtype in NATIVE_DTYPES and all(
-        t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu" for t in tensors
+        t.dtype == dtype and t.is_contiguous() and not t.is_cuda for t in tensors
     )

@@ -132,9 +132,9 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t subs, const Quantized
               int valid, int64_t out, T* y) {
   const uint8_t* rows[kOut];
   for (int i = 0; i < kOut; ++i) rows[i] = w + (o0 + std::min(i, valid - 1)) * row_bytes;
-  __m256 acc[kOut][R];
+  __m256 acc[kOut][R], off[kOut][R];  // off: the offsets' terms, a chain of their own
   for (int i = 0; i < kOut; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[i][r] = off[i][r] = _mm256_setzero_ps();
   // kOut rows read side by side are kOut streams, which the hardware prefetcher served at half
   // the speed of one: the next group's rows (contiguous) are fetched at the pace this one is read
   const char* next_group = reinterpret_cast<const char*>(w + (o0 + kOut) * row_bytes);
@@ -159,13 +159,13 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t subs, const Quantized
           const __m256 scale = _mm256_mul_ps(sub.scale, _mm256_broadcast_ss(xq.dot_scales.data() + xb));
           acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i][r]);
           if (sub.has_offset)
-            acc[i][r] = _mm256_fmadd_ps(sub.offset, _mm256_loadu_ps(xq.lane_sums.data() + xb * 8), acc[i][r]);
+            off[i][r] = _mm256_fmadd_ps(sub.offset, _mm256_loadu_ps(xq.lane_sums.data() + xb * 8), off[i][r]);
         }
       }
     }
   }
   for (int i = 0; i < valid; ++i)
-    for (int r = 0; r < R; ++r) y[(r0 + r) * out + o0 + i] = static_cast<T>(sum_lanes(acc[i][r]));
+    for (int r = 0; r < R; ++r) y[(r0 + r) * out + o0 + i] = static_cast<T>(sum_lanes(_mm256_add_ps(acc[i][r], off[i][r])));
 }
 
 // y [rows, out] in x's dtype: threads over groups of weight rows, each read once per call

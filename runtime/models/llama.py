@@ -7,10 +7,10 @@ from __future__ import annotations
 from torch import nn
 
 from runtime.models.attention import ForwardContext
-from runtime.models.layers import CausalLM, GatedMLP, PagedAttention
+from runtime.models.layers import CausalLM, GatedMLP, PagedAttention, StepModule
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(StepModule):
     def __init__(self, model: CausalLM, layer_index: int) -> None:
         super().__init__()
         config = model.config

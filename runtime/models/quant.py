@@ -175,6 +175,9 @@ class QuantizedWeight(nn.Module):
     def weight_nbytes(self) -> int:
         return self.blocks.numel()
 
+    def __call__(self, *args):  # layers.StepModule's: called in every layer of every step
+        return self.forward(*args)
+
     def load_rows(self, start: int, blocks: torch.Tensor) -> None:
         self.blocks[start : start + blocks.shape[0]].copy_(blocks)
 
@@ -237,10 +240,11 @@ class QuantizedLinear(QuantizedWeight):
         self.part_starts = _starts(part_rows or (out_features,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x.reshape(-1, self.in_features))
+        flat = x.dim() == 2
+        y = self.matmul(x if flat else x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def load_part(self, part: int, tensor: QuantizedTensor) -> None:
         self.load_rows(self.part_starts[part], tensor.blocks)
