@@ -16,8 +16,10 @@
 //   sum(w * x) over a sub-block = scale . dx / 256 * (256 dot(u, xq) + dot(u, xr)) + offset . lanesum(x)
 // with dot(u, xq) in one VNNI vpdpbusd (8 int32 lanes of 4 products; AVX2 without VNNI:
 // vpmaddubsw + vpmaddwd, no saturation since u <= 128). Accumulated in 8 float lanes per row of
-// x, summed once per output. Threads over output rows; the weight bytes are read once per call.
-// Oracle: gguf-py's dequantize then a float matmul (tests/test_quant_kernels.py).
+// x, summed once per output. Threads over groups of 8 weight rows (one row of x; 4 with more):
+// a group's rows are read side by side, each x sub-block loaded once for all of them, with a
+// chain of accumulators per weight row, and the next group prefetched as this one is read. The
+// weight bytes are read once per call. Oracle: gguf-py's dequantize then a float matmul (tests/test_quant_kernels.py).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
