@@ -1,7 +1,8 @@
 """One attention interface over the paged KV cache: torch references on CPU, Triton on CUDA.
 
 A step's batch is laid out decodes first, then prefill chunks:
-  tokens [0, num_decode_tokens)           one query per decoding sequence
+  tokens [0, num_decode_tokens)           one query per decoding sequence (a sequence with k
+                                          drafts: k + 1, each with its own seq_len)
   tokens [num_decode_tokens, num_tokens)  prompt chunks, ragged, described by query_start_loc
 """
 

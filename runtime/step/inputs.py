@@ -47,6 +47,7 @@ class StepTensors:
     pending_src: torch.Tensor | None = None  # ... taken from the previous step's sampled ids
     # speculative decoding: the k + 1 tokens of each drafted row whose logits are verified
     verify_index: torch.Tensor | None = None  # [sum(k_i + 1)]
+    decode_token_seqs: torch.Tensor | None = None  # [num_decode_tokens] sequence of each
 
 
 @dataclass
@@ -82,8 +83,9 @@ def prepare_host_step(
 ) -> HostStep:
     """previous: the launched step whose sampled tokens have not landed yet (async
     scheduling); a scheduled token the host does not know is one of them. drafts: speculative
-    drafts of steady decodes (in the batch's token table after their rows' tokens), which
-    make those rows chunks of k + 1 query positions."""
+    drafts of steady decodes (in the batch's token table after their rows' tokens): such a
+    row stays a decode row of k + 1 query positions, each attending as a decode of its own
+    (the arithmetic of k = 0, so that verified tokens round as plain decodes do)."""
     rows = torch.tensor([batch.row_of(r.request_id) for r, _ in scheduled], dtype=torch.int64)
     num_new = torch.tensor([n for _, n in scheduled], dtype=torch.int64)  # [num_seqs]
     computed = torch.tensor([r.num_computed_tokens for r, _ in scheduled], dtype=torch.int64)
@@ -93,7 +95,6 @@ def prepare_host_step(
     is_decode = (num_new == 1) & (computed == total - 1)
     num_drafts = _num_drafts(scheduled, drafts)  # [num_seqs] or None
     if num_drafts is not None:
-        is_decode &= num_drafts == 0
         num_new = num_new + num_drafts
     order = torch.where(is_decode, computed, _LAST).sort(stable=True).indices
     rows, num_new, computed = rows[order], num_new[order], computed[order]
@@ -106,7 +107,8 @@ def prepare_host_step(
     token_rows = rows[seq_of_token]
     slots = batch.block_table[token_rows, positions // block_size] * block_size
     slots += positions % block_size
-    num_decode = int(is_decode.sum())
+    num_decode = int(is_decode.sum())  # sequences
+    num_decode_tokens = int(ends[num_decode - 1]) if num_decode else 0
     samples = (seq_lens == total).nonzero().flatten()  # [num_samples]
     sample_rows = rows[samples]
     sample_states = [batch.row_state[row] for row in sample_rows.tolist()]
@@ -120,7 +122,7 @@ def prepare_host_step(
         seq_lens=seq_lens,
         seq_rows=rows,
         query_start_loc=torch.cat(
-            [torch.zeros(1, dtype=torch.int64), ends[num_decode:] - num_decode]
+            [torch.zeros(1, dtype=torch.int64), ends[num_decode:] - num_decode_tokens]
         ),
         sample_index=ends[samples] - 1,
         sample_rows=sample_rows,
@@ -129,6 +131,8 @@ def prepare_host_step(
         param_values=torch.tensor(updates.params, dtype=torch.float64).view(-1, NUM_PARAMS),
         sampling=sampling,
     )
+    if num_decode_tokens != num_decode:
+        tensors.decode_token_seqs = seq_of_token[:num_decode_tokens]
     verify_ids = []
     if num_drafts is not None:
         num_drafts = num_drafts[order]
@@ -217,11 +221,15 @@ def device_step(
     num_decode = host.num_decode
     tables = batch.device_block_table[staged.seq_rows, : host.max_blocks]  # [num_seqs, width]
     seq_lens = staged.seq_lens.int()
+    decode_tables, decode_lens = tables[:num_decode], seq_lens[:num_decode]
+    if staged.decode_token_seqs is not None:  # drafted rows: a decode query per position
+        decode_tables = tables[staged.decode_token_seqs]
+        decode_lens = (staged.positions[: len(decode_tables)] + 1).int()
     attn = AttentionMetadata(
         slot_mapping=staged.slot_mapping,
-        num_decode_tokens=num_decode,
-        decode_block_tables=tables[:num_decode],
-        decode_seq_lens=seq_lens[:num_decode],
+        num_decode_tokens=len(decode_tables),
+        decode_block_tables=decode_tables,
+        decode_seq_lens=decode_lens,
         prefill_block_tables=tables[num_decode:],
         prefill_query_start_loc=staged.query_start_loc.int(),
         prefill_seq_lens=seq_lens[num_decode:],
