@@ -1,6 +1,6 @@
-"""Prompt-lookup speculation on the real SmolLM2 (float32, weights dequantized: logits do not
-depend on how many query rows a step has): greedy tokens identical with speculation on and off,
-at batch 1 and in a mixed batch, with real drafts accepted and rejected."""
+"""Prompt-lookup speculation on the real SmolLM2: greedy tokens identical with speculation on and
+off, at batch 1 and in a mixed batch, with real drafts accepted and rejected; in float32 with
+the weights dequantized, and on the Q4_1 file's own blocks in the engine's default dtype."""
 
 from __future__ import annotations
 
@@ -69,3 +69,29 @@ def test_greedy_identical_in_a_mixed_batch(engine):
     params = [greedy(40), greedy(24), greedy(33), greedy(17)]
     plain = generate(engine, prompts, params, speculate=False)
     assert generate(engine, prompts, params, speculate=True) == plain
+
+
+@pytest.fixture(scope="module")
+def gguf_engine() -> Engine:
+    """SmolLM2's Q4_1 file on its own blocks, in the engine's default dtype (bfloat16 where the
+    CPU runs it natively): rounding is coarse enough there that a verified token computed any
+    other way than a plain decode's flips a greedy near-tie."""
+    engine = Engine(
+        EngineConfig(
+            model="smollm2-135m-instruct",  # the Q4_1 file
+            num_kv_blocks=400,
+            max_num_seqs=4,
+            speculative="ngram",
+        )
+    )
+    engine.speculator.policy = FixedK(2)  # 3 rows a verify: the few-rows kernel, as one row's
+    return engine
+
+
+def test_greedy_identical_on_quantized_weights(gguf_engine):
+    story = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
+    prompts = [gguf_engine.tokenizer.apply_chat_template(story), copy_prompt(gguf_engine, PASSAGE)]
+    for prompt in prompts:
+        plain = generate(gguf_engine, [prompt], greedy(96), speculate=False)
+        assert generate(gguf_engine, [prompt], greedy(96), speculate=True) == plain
+    assert gguf_engine.speculator.stats.num_accepted_tokens > 10
