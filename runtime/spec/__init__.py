@@ -13,7 +13,8 @@ How they plug into the step (`--speculative ngram|draft`; `speculator.Speculator
   into the prefix cache; at landing the accepted drafts' KV counts as computed and the blocks
   past the row's tokens are trimmed.
 - runtime/step: the drafts are written after their row's tokens in the input batch and scored as
-  k extra query positions (the row becomes a prefill-like chunk); `verify_index` picks the k + 1
+  k extra query positions, each a decode query of its own (attention rounds them as plain
+  decodes, so greedy text matches with speculation off); `verify_index` picks the k + 1
   positions per drafted row; the model runner verifies them (greedy: the projection's argmax;
   else `RejectionSampler`, drawing from the Sampler's generators). k = 0 rows take the plain
   path, so k = 0 everywhere is the plain step. A step with drafts lands before the next one
