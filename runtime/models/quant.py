@@ -88,22 +88,27 @@ def bf16_tiles() -> bool:
 
 class _StepKind(threading.local):
     has_prompt_rows = False  # the step running on this thread computes prompt tokens
+    drafted_seqs = 0  # its sequences, where speculative drafts give them more rows (else 0)
 
 
 _STEP = _StepKind()
 
 
 @contextmanager
-def prompt_step(has_prompt_rows: bool):
-    """While a step that computes prompt tokens runs, every row count takes the many-rows
-    kernel: a prompt's rows then round the same whether they come in one chunk or as the two or
-    three tokens a prefix-cache hit leaves (the integer kernel rounds otherwise, and a greedy
-    near-tie followed the cache: tests/test_quantized_model.py)."""
-    previous, _STEP.has_prompt_rows = _STEP.has_prompt_rows, has_prompt_rows
+def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0):
+    """While a step runs on this thread, its kind picks its quantized matmuls' kernel:
+    - computing prompt tokens: the many-rows kernel for every row count, so that a prompt's
+      rows round the same whether they come in one chunk or as the two or three tokens a
+      prefix-cache hit leaves (the integer kernel rounds otherwise, and a greedy near-tie
+      followed the cache: tests/test_quantized_model.py);
+    - with drafts, drafted_seqs sequences: the kernel the same step without drafts would take,
+      so that verified tokens round as plain decodes do (tests/test_spec_real_model.py)."""
+    previous = _STEP.has_prompt_rows, _STEP.drafted_seqs
+    _STEP.has_prompt_rows, _STEP.drafted_seqs = has_prompt_rows, drafted_seqs
     try:
         yield
     finally:
-        _STEP.has_prompt_rows = previous
+        _STEP.has_prompt_rows, _STEP.drafted_seqs = previous
 
 
 def integer_dot_rows(dtype: torch.dtype) -> int:
@@ -197,7 +202,8 @@ class QuantizedWeight(nn.Module):
                 rows, self.blocks, self.ggml_type, self.out_features, self.in_features
             )
         ops = self._native()
-        few = rows.shape[0] <= integer_dot_rows(rows.dtype) and not _STEP.has_prompt_rows
+        counted = _STEP.drafted_seqs or rows.shape[0]
+        few = counted <= integer_dot_rows(rows.dtype) and not _STEP.has_prompt_rows
         if ops is not None and few:
             kernel = ops.quant_dot if integer_dots() else ops.quant_matmul
             return kernel(

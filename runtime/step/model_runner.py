@@ -3,6 +3,7 @@ forward pass, sample. Makes no scheduling decisions."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch
 from runtime.config import EngineConfig
 from runtime.models.attention import AttentionBackend, ForwardContext
 from runtime.models.loader import ModelSource, load_model, open_model
-from runtime.models.quant import prompt_step
+from runtime.models.quant import step_kind
 from runtime.sampling.plan import penalty_inputs, unpack
 from runtime.sampling.sampler import Sampler
 from runtime.spec.verify import RejectionSampler, VerifyRow, accept_greedy
@@ -180,8 +181,14 @@ class ModelRunner:
         inputs = device_step(self.input_batch, host, staged, previous_ids)
         self.backend.prepare(inputs.attn)
         mask = self._start_grammar_masks(host)  # filled on a worker while the forward runs
-        hidden = self._forward_step(inputs, out)  # [num_tokens, hidden]
-        verified = self._verify(hidden, host, inputs, out) if host.verify_request_ids else None
+        drafted = bool(host.verify_request_ids)
+        with self._kernel_kind(out, len(out.scheduled) if drafted else 0):
+            hidden = self._forward(inputs)  # [num_tokens, hidden]
+        verified = None
+        if drafted:  # scored as the logits of the same rows' samples without drafts would be
+            plain_samples = len(host.sample_request_ids) + len(host.verify_request_ids)
+            with self._kernel_kind(None, plain_samples):
+                verified = self._verify(hidden, host, inputs, out)
         if not host.sample_request_ids:
             return LaunchedStep(host, None, verified=verified)
         rows = hidden[inputs.staged.sample_index]  # [num_samples, hidden]: only rows that sample
@@ -273,12 +280,14 @@ class ModelRunner:
         )
         return tokens
 
-    def _forward_step(self, inputs: StepInputs, out: SchedulerOutput) -> torch.Tensor:
+    def _kernel_kind(self, out: SchedulerOutput | None, drafted_seqs: int):
+        """quant.step_kind where the model has quantized weights (their matmuls' kernel); out
+        None: no prompt rows (the verify's logits)."""
         if not self.model.quantized_names:
-            return self._forward(inputs)
-        computes_prompt = any(r.num_computed_tokens < r.num_prompt_tokens for r, _ in out.scheduled)
-        with prompt_step(computes_prompt):
-            return self._forward(inputs)
+            return contextlib.nullcontext()
+        scheduled = out.scheduled if out is not None else ()
+        computes_prompt = any(r.num_computed_tokens < r.num_prompt_tokens for r, _ in scheduled)
+        return step_kind(computes_prompt, drafted_seqs)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         for graphs in (self.decode_graphs, self.mixed_graphs):
