@@ -186,13 +186,14 @@ inline void visit_row(int64_t type, const uint8_t* row, int64_t in, Visit&& visi
     case Q5_0: for (int64_t s = 0; s < in / 32; ++s) visit(q5_0_sub(row + s * 22), s); break;
     case Q8_0: for (int64_t s = 0; s < in / 32; ++s) visit(q8_0_sub(row + s * 34), s); break;
     case Q4_K:
-      for (int64_t s = 0; s < in / 256; ++s) k4_k5_subs(row + s * 144, row + s * 144 + 16, nullptr, s, visit);
+      for (int64_t s = 0; s < in / 256; ++s)
+        k4_k5_subs(row + s * kQ4kBytes, row + s * kQ4kBytes + 16, nullptr, s, visit);
       break;
     case Q5_K:
       for (int64_t s = 0; s < in / 256; ++s)
-        k4_k5_subs(row + s * 176, row + s * 176 + 48, row + s * 176 + 16, s, visit);
+        k4_k5_subs(row + s * kQ5kBytes, row + s * kQ5kBytes + 48, row + s * kQ5kBytes + 16, s, visit);
       break;
-    case Q6_K: for (int64_t s = 0; s < in / 256; ++s) q6_k_subs(row + s * 210, s, visit); break;
+    case Q6_K: for (int64_t s = 0; s < in / 256; ++s) q6_k_subs(row + s * kQ6kBytes, s, visit); break;
     default: TORCH_CHECK(false, "gguf: no kernel for ggml type ", type);
   }
 }
@@ -203,9 +204,9 @@ inline int64_t row_bytes_of(int64_t type, int64_t in) {
     case Q4_1: return in / 32 * 20;
     case Q5_0: return in / 32 * 22;
     case Q8_0: return in / 32 * 34;
-    case Q4_K: return in / 256 * 144;
-    case Q5_K: return in / 256 * 176;
-    case Q6_K: return in / 256 * 210;
+    case Q4_K: return in / 256 * kQ4kBytes;
+    case Q5_K: return in / 256 * kQ5kBytes;
+    case Q6_K: return in / 256 * kQ6kBytes;
   }
   TORCH_CHECK(false, "gguf: no kernel for ggml type ", type);
 }

@@ -19,7 +19,8 @@
 // x, summed once per output. Threads over groups of 8 weight rows (one row of x; 4 with more):
 // a group's rows are read side by side, each x sub-block loaded once for all of them, with a
 // chain of accumulators per weight row, and the next group prefetched as this one is read. The
-// weight bytes are read once per call. Oracle: gguf-py's dequantize then a float matmul (tests/test_quant_kernels.py).
+// weight bytes are read once per call.
+// Oracle: gguf-py's dequantize then a float matmul (tests/test_quant_kernels.py).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -167,7 +168,8 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t subs, const Quantized
     }
   }
   for (int i = 0; i < valid; ++i)
-    for (int r = 0; r < R; ++r) y[(r0 + r) * out + o0 + i] = static_cast<T>(sum_lanes(_mm256_add_ps(acc[i][r], off[i][r])));
+    for (int r = 0; r < R; ++r)
+      y[(r0 + r) * out + o0 + i] = static_cast<T>(sum_lanes(_mm256_add_ps(acc[i][r], off[i][r])));
 }
 
 // y [rows, out] in x's dtype: threads over groups of weight rows, each read once per call

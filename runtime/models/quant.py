@@ -6,8 +6,8 @@ kernels/cpu/quant_dot.cpp (integer dots, x86) or quant_matmul.cpp (float), which
 byte once; many rows (prefill, batched decode) in bfloat16 run quant_gemm.cpp (a tile per thread,
 dequantized and multiplied in its L2, AVX-512 BF16); otherwise many rows dequantize tiles of
 output rows and run torch's blocked matmul on them. On CUDA kernels/triton_gguf.py multiplies
-(and dequantizes) the blocks; triton is imported only there, on first use. Elsewhere, and for types without a kernel, the weight is dequantized
-with gguf-py (the oracle) and F.linear runs.
+(and dequantizes) the blocks; triton is imported only there, on first use. Elsewhere, and for
+types without a kernel, the weight is dequantized with gguf-py (the oracle) and F.linear runs.
 """
 
 from __future__ import annotations

@@ -182,12 +182,12 @@ class ModelRunner:
         self.backend.prepare(inputs.attn)
         mask = self._start_grammar_masks(host)  # filled on a worker while the forward runs
         drafted = bool(host.verify_request_ids)
-        with self._kernel_kind(out, len(out.scheduled) if drafted else 0):
+        with self._kernel_kind(out.scheduled, len(out.scheduled) if drafted else 0):
             hidden = self._forward(inputs)  # [num_tokens, hidden]
         verified = None
         if drafted:  # scored as the logits of the same rows' samples without drafts would be
             plain_samples = len(host.sample_request_ids) + len(host.verify_request_ids)
-            with self._kernel_kind(None, plain_samples):
+            with self._kernel_kind((), plain_samples):  # no prompt rows among them
                 verified = self._verify(hidden, host, inputs, out)
         if not host.sample_request_ids:
             return LaunchedStep(host, None, verified=verified)
@@ -280,12 +280,11 @@ class ModelRunner:
         )
         return tokens
 
-    def _kernel_kind(self, out: SchedulerOutput | None, drafted_seqs: int):
-        """quant.step_kind where the model has quantized weights (their matmuls' kernel); out
-        None: no prompt rows (the verify's logits)."""
+    def _kernel_kind(self, scheduled: list[tuple[Request, int]] | tuple, drafted_seqs: int):
+        """quant.step_kind where the model has quantized weights (their matmuls' kernel), for
+        the rows of `scheduled` (request, tokens)."""
         if not self.model.quantized_names:
             return contextlib.nullcontext()
-        scheduled = out.scheduled if out is not None else ()
         computes_prompt = any(r.num_computed_tokens < r.num_prompt_tokens for r, _ in scheduled)
         return step_kind(computes_prompt, drafted_seqs)
 
