@@ -17,13 +17,14 @@ from runtime.config import EngineConfig
 
 def register_bench(bench_subparsers) -> None:
     """Adds every `conveyor bench <name>`."""
-    from benchmarks import gpu, overhead, quant, quant_accuracy, serve, step, structured
+    from benchmarks import gpu, gpu_quant, overhead, quant, quant_accuracy, serve, step, structured
 
     register_offline(bench_subparsers)
     register_priority(bench_subparsers)
     serve.register(bench_subparsers)
     overhead.register(bench_subparsers)
     gpu.register(bench_subparsers)
+    gpu_quant.register(bench_subparsers)
     step.register(bench_subparsers)
     structured.register(bench_subparsers)
     quant.register(bench_subparsers)

@@ -2,9 +2,10 @@
 ([out_features, row_bytes] uint8, ggml-common.h layouts, little-endian float16 scales) and each
 tile is dequantized in registers inside the K loop.
 
-Two matmuls share one dequantizer: a tiled kernel (tl.dot over BLOCK_M x BLOCK_N tiles) for many
-rows, and a split-K GEMV for decode (a few rows: several programs along K per output tile, their
-float32 partial sums added by a second pass, so results do not depend on scheduling order).
+A tiled kernel (tl.dot over BLOCK_M x BLOCK_N tiles, each weight tile dequantized) runs many rows;
+a few rows (decode) run kernels/triton_gguf_dot.py's integer dot products, split along K where
+the output rows alone would not fill the GPU.
+
 Arithmetic is float32 from the loaded bytes on (bf16 arithmetic is wrong under Triton's
 interpreter); on a GPU the tiled kernel's dot takes 16-bit activations and the weight tile
 rounded to their dtype, accumulating in float32.
@@ -18,56 +19,21 @@ import torch
 import triton
 import triton.language as tl
 
-Q4_0 = tl.constexpr(2)
-Q4_1 = tl.constexpr(3)
-Q5_0 = tl.constexpr(6)
-Q8_0 = tl.constexpr(8)
-Q4_K = tl.constexpr(12)
-Q5_K = tl.constexpr(13)
-Q6_K = tl.constexpr(14)
-# ggml type -> (values, bytes) of one block
-BLOCK_SHAPES = {
-    2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176),
-    14: (256, 210),
-}  # fmt: skip
-GEMV_ROWS = 4  # at most this many rows run the split-K GEMV; more run the tiled kernel
-TARGET_PROGRAMS = 264  # GEMV programs to aim for: two waves of an H100's 132 SMs
+from kernels.triton_gguf_blocks import (
+    BLOCK_SHAPES,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+    Q8_0,
+    _byte,
+    _half,
+    _k_scale_min,
+    _nibble,
+    _signed_byte,
+)
 
-
-@triton.jit
-def _byte(ptr, offset, mask):
-    return tl.load(ptr + offset, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
-def _signed_byte(ptr, offset, mask):
-    value = _byte(ptr, offset, mask)
-    return value - ((value & 128) << 1)
-
-
-@triton.jit
-def _half(ptr, offset, mask):
-    """float32 of the little-endian float16 at ptr + offset."""
-    bits = _byte(ptr, offset, mask) | (_byte(ptr, offset + 1, mask) << 8)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _nibble(ptr, offset, high, mask):
-    """The low (high == 0) or high (high == 1) four bits of the byte at ptr + offset."""
-    return (_byte(ptr, offset, mask) >> (high * 4)) & 15
-
-
-@triton.jit
-def _k_scale_min(ptr, sub, mask):
-    """Q4_K / Q5_K: the 6-bit scale and min of sub-block `sub` (0..7) from the 12 bytes at ptr."""
-    low = sub % 4
-    scale_bits = _byte(ptr, low, mask)
-    min_bits = _byte(ptr, low + 4, mask)
-    high_bits = _byte(ptr, low + 8, mask)
-    scale = tl.where(sub < 4, scale_bits & 63, (high_bits & 15) | ((scale_bits >> 2) & 48))
-    minimum = tl.where(sub < 4, min_bits & 63, (high_bits >> 4) | ((min_bits >> 2) & 48))
-    return scale.to(tl.float32), minimum.to(tl.float32)
+GEMV_ROWS = 4  # at most this many rows run the integer-dot GEMV; more run the tiled kernel
 
 
 @triton.jit
@@ -115,6 +81,7 @@ def _dequantize_256(rows_ptr, k, mask, QTYPE: tl.constexpr):
             high = (_byte(base, 16 + i, mask) >> sub) & 1
             q = _nibble(base, 48 + (sub // 2) * 32 + i, sub % 2, mask) | (high << 4)
         scale, minimum = _k_scale_min(base + 4, sub, mask)
+        scale, minimum = scale.to(tl.float32), minimum.to(tl.float32)
         d, dmin = _half(base, 0, mask), _half(base, 2, mask)
         w = d * scale * q.to(tl.float32) - dmin * minimum
     return w
@@ -167,39 +134,6 @@ def _tiled_kernel(
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr,
-    blocks_ptr,
-    partial_ptr,
-    num_rows,
-    out_features,
-    in_features,
-    x_stride,
-    row_bytes,
-    k_per_split,  # a multiple of BLOCK_K
-    QTYPE: tl.constexpr,
-    ROWS: tl.constexpr,  # next power of two >= num_rows
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # partial [num_splits, num_rows, out_features] float32; program (n, s) sums split s of K
-    split = tl.program_id(1)
-    rows = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [1, N]
-    weight_rows = blocks_ptr + cols.to(tl.int64) * row_bytes
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_per_split, BLOCK_K):
-        ks = split * k_per_split + k0 + tl.arange(0, BLOCK_K)
-        x_mask = (rows < num_rows) & (ks[None, :] < in_features)
-        x = tl.load(x_ptr + rows * x_stride + ks[None, :], mask=x_mask, other=0.0)
-        w_mask = (ks[:, None] < in_features) & (cols < out_features)
-        w = _dequantize(weight_rows, ks[:, None], w_mask, QTYPE)  # [K, N]
-        acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
-    offsets = (split * num_rows + rows).to(tl.int64) * out_features + cols
-    tl.store(partial_ptr + offsets, acc, mask=(rows < num_rows) & (cols < out_features))
-
-
-@triton.jit
 def _dequantize_kernel(
     blocks_ptr,
     out_ptr,
@@ -235,7 +169,9 @@ def gguf_matmul(
     """x [rows, in_features] (float32/16, bfloat16) @ W^T -> [rows, out_features] in x's dtype,
     W the GGUF blocks [out_features, row_bytes] uint8 of `ggml_type`; float32 accumulation."""
     if x.shape[0] <= GEMV_ROWS:
-        return gguf_gemv(x, blocks, ggml_type, out_features, in_features)
+        from kernels.triton_gguf_dot import gguf_dot
+
+        return gguf_dot(x, blocks, ggml_type, out_features, in_features, asm=not _interpreted())
     return gguf_tiled(x, blocks, ggml_type, out_features, in_features)
 
 
@@ -255,28 +191,6 @@ def gguf_tiled(x, blocks, ggml_type, out_features, in_features) -> torch.Tensor:
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8,
     )  # fmt: skip
     return out
-
-
-def gguf_gemv(x, blocks, ggml_type, out_features, in_features, num_splits=None) -> torch.Tensor:
-    """The split-K GEMV (gguf_matmul's arguments; num_splits None: enough programs to fill the
-    GPU). Each split writes float32 partial sums; their sum, cast to x's dtype, is the result."""
-    _check(blocks, ggml_type, out_features, in_features)
-    if x.shape[0] == 0:
-        return x.new_empty(0, out_features)
-    assert x.shape[1] == in_features and x.stride(1) == 1 and x.shape[0] <= 16
-    block_n, block_k = 32, 64
-    num_tiles, num_chunks = triton.cdiv(out_features, block_n), triton.cdiv(in_features, block_k)
-    if num_splits is None:
-        num_splits = triton.cdiv(TARGET_PROGRAMS, num_tiles)
-    chunks_per_split = triton.cdiv(num_chunks, max(1, min(num_splits, num_chunks)))
-    num_splits = triton.cdiv(num_chunks, chunks_per_split)
-    partial = torch.empty(num_splits, x.shape[0], out_features, device=x.device)
-    _gemv_kernel[(num_tiles, num_splits)](
-        x, blocks, partial, x.shape[0], out_features, in_features, x.stride(0), blocks.stride(0),
-        chunks_per_split * block_k, QTYPE=int(ggml_type),
-        ROWS=triton.next_power_of_2(x.shape[0]), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-    )  # fmt: skip
-    return partial.sum(0).to(x.dtype)
 
 
 def gguf_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int, dtype) -> torch.Tensor:

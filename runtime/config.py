@@ -40,8 +40,8 @@ class EngineConfig(BaseModel):
     )
     quantization: Literal["gguf", "none"] = Field(
         "gguf",
-        description="gguf: a .gguf's quantized weights stay in their blocks (CPU kernels; on "
-        "CUDA dequantized at load until its kernels land); none: dequantize at load to --dtype",
+        description="gguf: a .gguf's quantized weights stay in their blocks (native CPU kernels, "
+        "Triton on CUDA); none: dequantize at load to --dtype",
     )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto | cpu | cuda | cuda:N"

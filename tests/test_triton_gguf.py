@@ -23,7 +23,7 @@ import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from kernels import triton_gguf  # noqa: E402
+from kernels import triton_gguf, triton_gguf_dot  # noqa: E402
 from runtime.models import quant  # noqa: E402
 from runtime.models.quant import random_blocks  # noqa: E402
 
@@ -77,18 +77,6 @@ def test_dequantize_is_gguf_py_bit_for_bit(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(
-    ("rows", "dtype", "num_splits"),
-    [(1, torch.float32, None), (3, torch.bfloat16, 2), (4, torch.float16, 3)],
-)
-def test_split_k_gemv_is_the_oracle(qtype, rows, dtype, num_splits):
-    num_blocks = 5 if qtype in QUANTIZABLE else 3  # odd: the last K chunk is part padding
-    x, blocks, weight = inputs(qtype, rows, 37, num_blocks, dtype, seed=rows + int(qtype))
-    y = triton_gguf.gguf_gemv(x, blocks, qtype, 37, x.shape[1], num_splits=num_splits)
-    assert_matches(y, x, weight)
-
-
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize(
     ("rows", "out_features", "dtype"),
     [(5, 37, torch.bfloat16), (17, 70, torch.float32), (64, 37, torch.float16)],
 )
@@ -100,17 +88,19 @@ def test_tiled_kernel_is_the_oracle(qtype, rows, out_features, dtype):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 4, 5])
-def test_matmul_picks_the_gemv_for_few_rows(rows, monkeypatch):
+def test_matmul_picks_the_integer_dot_for_few_rows(rows, monkeypatch):
     called = []
-    for name in ("gguf_gemv", "gguf_tiled"):
-        real = getattr(triton_gguf, name)
-        monkeypatch.setattr(triton_gguf, name, lambda *a, real=real, name=name: (
-            called.append(name), real(*a))[1])  # fmt: skip
+    for module, name in ((triton_gguf_dot, "gguf_dot"), (triton_gguf, "gguf_tiled")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **kw: (
+            called.append(name), real(*a, **kw))[1])  # fmt: skip
     x, blocks, weight = inputs(Q.Q8_0, rows, 20, 2, torch.float32, seed=rows)
     y = triton_gguf.gguf_matmul(x, blocks, Q.Q8_0, 20, 64)
-    assert called == ["gguf_gemv" if rows <= triton_gguf.GEMV_ROWS else "gguf_tiled"]
-    if rows:
+    assert called == ["gguf_dot" if rows <= triton_gguf.GEMV_ROWS else "gguf_tiled"]
+    if rows > triton_gguf.GEMV_ROWS:
         assert_matches(y, x, weight)
+    elif rows:  # x quantized to int8 per 32 values
+        assert_matches(y.to(torch.bfloat16), x.to(torch.bfloat16), weight)
     assert y.shape == (rows, 20)
 
 
@@ -144,11 +134,13 @@ def test_real_tensors_of_every_type_in_the_file(model):
         blocks = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)[:40]  # 40 rows
         x = torch.randn(3, int(tensor.shape[0]), generator=torch.Generator().manual_seed(1))
         x = x.to(DEVICE)
-        for rows in (x, x.repeat(6, 1)):  # GEMV, tiled
+        for rows in (x, x.repeat(6, 1)):  # integer dots (x quantized to int8), tiled
             y = triton_gguf.gguf_matmul(
                 rows, torch.from_numpy(blocks.copy()).to(DEVICE), tensor.tensor_type, 40,
                 rows.shape[1],
             )  # fmt: skip
+            if rows.shape[0] <= triton_gguf.GEMV_ROWS:
+                y, rows = y.to(torch.bfloat16), rows.to(torch.bfloat16)
             assert_matches(y, rows, oracle(blocks, tensor.tensor_type))
     assert checked == {Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0}
 
@@ -162,8 +154,6 @@ ints = dict.fromkeys(("num_rows", "out_features", "in_features", "x_stride", "ro
 kernels = [
     (g._tiled_kernel, {"x_ptr": "*bf16", "blocks_ptr": "*u8", "out_ptr": "*bf16", **ints},
      dict(DOT_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), 8),
-    (g._gemv_kernel, {"x_ptr": "*bf16", "blocks_ptr": "*u8", "partial_ptr": "*fp32", **ints,
-     "k_per_split": "i32"}, dict(ROWS=4, BLOCK_N=32, BLOCK_K=64), 4),
     (g._dequantize_kernel, {"blocks_ptr": "*u8", "out_ptr": "*bf16", "num_rows": "i32",
      "in_features": "i32", "row_bytes": "i32"}, dict(BLOCK_N=32, BLOCK_K=64), 4),
 ]
