@@ -17,7 +17,17 @@ from runtime.config import EngineConfig
 
 def register_bench(bench_subparsers) -> None:
     """Adds every `conveyor bench <name>`."""
-    from benchmarks import gpu, gpu_quant, overhead, quant, quant_accuracy, serve, step, structured
+    from benchmarks import (
+        gpu,
+        gpu_quant,
+        overhead,
+        quant,
+        quant_accuracy,
+        serve,
+        spec_sweep,
+        step,
+        structured,
+    )
 
     register_offline(bench_subparsers)
     register_priority(bench_subparsers)
@@ -25,6 +35,7 @@ def register_bench(bench_subparsers) -> None:
     overhead.register(bench_subparsers)
     gpu.register(bench_subparsers)
     gpu_quant.register(bench_subparsers)
+    spec_sweep.register(bench_subparsers)
     step.register(bench_subparsers)
     structured.register(bench_subparsers)
     quant.register(bench_subparsers)
