@@ -137,7 +137,8 @@ def test_prefill_tiles_cover_every_output_row(monkeypatch):
     monkeypatch.setattr(quant, "TILE_VALUES", 5 * 64)  # 5 output rows a tile, 41 rows: 9 tiles
     rng = np.random.default_rng(5)
     blocks = quantized(Q.Q8_0, 41, 64, rng)
-    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(5))
+    rows = quant.integer_dot_rows(torch.float32) + 1  # the fewest rows that take the tiles
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(5))
     expected = x @ oracle(blocks, Q.Q8_0, 41, 64).T
     torch.testing.assert_close(
         QuantizedLinear(blocks, Q.Q8_0, 41, 64)(x), expected, atol=1e-4, rtol=1e-4

@@ -42,7 +42,7 @@ def test_the_acceptance_rate_follows_what_is_measured():
         tracker.observe("good", 4, 4)
         tracker.observe("bad", 4, 0)
     assert tracker.rate("good") > 0.9
-    assert tracker.rate("bad") < 0.1
+    assert tracker.rate("bad") < 0.2  # below the policy's min_acceptance, whatever the prior
 
 
 def test_high_acceptance_and_a_flat_step_cost_give_the_largest_k():
@@ -59,12 +59,32 @@ def test_low_acceptance_gives_k_zero():
     ) == [0]
 
 
-def test_a_request_left_at_k_zero_is_probed_again_later():
+def test_a_request_left_at_k_zero_is_probed_again_where_the_engines_drafts_pay():
     policy = policy_with(0.0, fitted_cost(0.02, 0.00001))
+    for _ in range(30):  # the other requests' drafts are all accepted
+        policy.observe("copying", 4, 4)
     row, chosen = RowCandidate("r", 10), []
     for _ in range(40):
         chosen.append(policy.choose([row], num_rows=1, num_tokens=1, token_budget_left=100)[0])
     assert chosen[0] == 0 and max(chosen) > 0
+
+
+def test_where_no_requests_drafts_pay_new_requests_are_not_probed():
+    policy = policy_with(0.0, fitted_cost(0.02, 0.00001))  # "r": every draft rejected
+    for _ in range(40):
+        rows = [RowCandidate("r", 10), RowCandidate("new", 10)]
+        assert policy.choose(rows, num_rows=2, num_tokens=2, token_budget_left=100) == [0, 0]
+
+
+def test_new_requests_start_from_the_engines_acceptance():
+    tracker = AcceptanceTracker(prior=0.5)
+    assert tracker.rate("new") == tracker.engine_rate == 0.5
+    for _ in range(50):
+        tracker.observe("chat", 4, 0)
+    assert tracker.rate("new") < 0.1 and tracker.rate("new") == tracker.engine_rate
+    for _ in range(500):
+        tracker.observe("copy", 4, 4)
+    assert tracker.rate("another") > 0.9
 
 
 def test_a_costly_token_gives_k_zero_even_with_good_acceptance():

@@ -38,6 +38,8 @@ FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel; more dequantize tiles
 BF16_DECODE_ROWS = 3  # the same where quant_gemm takes bfloat16 rows: it wins from 4 (two terms
 # of int8 activations cost the integer kernel a pass over the weights' codes per row)
+SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2): dequantizing a tile is
+# scalar there, and quant_dot, a pass per 4 rows, stays faster up to about 48 rows
 TILE_VALUES = 1 << 20  # dequantized values per tile (2 MiB in bfloat16: stays in L2)
 _logged_slow_types: set[Q] = set()
 
@@ -113,7 +115,9 @@ def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0):
 
 def integer_dot_rows(dtype: torch.dtype) -> int:
     """At most this many rows of `dtype` run the few-rows kernel (quant_dot or quant_matmul)."""
-    return BF16_DECODE_ROWS if dtype == torch.bfloat16 and bf16_tiles() else DECODE_ROWS
+    if dtype == torch.bfloat16 and bf16_tiles():
+        return BF16_DECODE_ROWS
+    return DECODE_ROWS if vector_dequantize() else SCALAR_DEQUANTIZE_DECODE_ROWS
 
 
 @functools.cache

@@ -88,30 +88,49 @@ class DraftCost:
 
 
 class AcceptanceTracker:
-    """Per request, a moving average of the per-draft acceptance rate."""
+    """Per request, a moving average of the per-draft acceptance rate. A request without evidence
+    starts from the engine's: every request's drafts, in a slower moving average (`prior` until
+    there is any). A workload that copies little (chat) then stops probing new requests, and one
+    that copies much starts them drafting at once."""
 
-    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9):
+    def __init__(
+        self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9,
+        engine_decay: float = 0.99,
+    ):  # fmt: skip
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.engine_decay = engine_decay
         self._trials: dict[str, tuple[float, float]] = {}  # request id -> (accepted, tried)
+        self._engine_trials = (0.0, 0.0)  # every request's, decayed by engine_decay
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """A verified row: its drafts were tried up to and including the first rejection."""
         if num_drafted == 0:
             return
-        accepted, tried = self._trials.get(request_id, (0.0, 0.0))
         num_tried = num_accepted + (num_accepted < num_drafted)
+        accepted, tried = self._trials.get(request_id, (0.0, 0.0))
         self._trials[request_id] = (
             self.decay * accepted + num_accepted,
             self.decay * tried + num_tried,
         )
+        accepted, tried = self._engine_trials
+        self._engine_trials = (
+            self.engine_decay * accepted + num_accepted,
+            self.engine_decay * tried + num_tried,
+        )
+
+    @property
+    def engine_rate(self) -> float:
+        """The starting rate of a request without evidence of its own."""
+        accepted, tried = self._engine_trials
+        return (accepted + self.prior * self.prior_weight) / (tried + self.prior_weight)
 
     def rate(self, request_id: str) -> float:
         accepted, tried = self._trials.get(request_id, (0.0, 0.0))
-        return (accepted + self.prior * self.prior_weight) / (tried + self.prior_weight)
+        return (accepted + self.engine_rate * self.prior_weight) / (tried + self.prior_weight)
 
     def relax(self, request_id: str) -> None:
-        """A step without drafts: old evidence fades, so the rate drifts back to the prior and a
-        request whose text turned copy-heavy gets probed again."""
+        """A step without drafts: old evidence fades, so the rate drifts back to the engine's and,
+        where the engine's drafts pay, a request whose text turned copy-heavy gets probed again."""
         accepted, tried = self._trials.get(request_id, (0.0, 0.0))
         if tried:
             self._trials[request_id] = (self.decay * accepted, self.decay * tried)
