@@ -22,6 +22,7 @@ from pathlib import Path
 from benchmarks.common import format_table, save_result
 from runtime.config import EngineConfig
 from runtime.engine import Engine
+from runtime.models.catalog import DEFAULT_MODEL
 from runtime.spec.policy import FixedK
 from scheduler.request import SamplingParams
 
@@ -177,7 +178,8 @@ def cmd_spec_sweep(args: argparse.Namespace) -> int:
     points = sweep(engine, concurrencies, args.tokens, args.num_speculative_tokens, args.repeats)
     print(table(points))
     if args.plot:
-        title = f"{args.speculative}: speedup over no speculation ({engine.config.model})"
+        model = args.model or DEFAULT_MODEL
+        title = f"{args.speculative} on {model}: speedup over no speculation"
         Path(args.plot).write_text(svg_plot(points, title))
     save_result(args.save_result, {"bench": "spec-sweep", "points": points})
     print(json.dumps({"points": len(points)}))
