@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bound import measure_copy_bandwidth
+from benchmarks.gpu import relative_error
 from runtime.models.quant import HALF_OFFSETS, row_bytes
 
 Q = gguf.GGMLQuantizationType
@@ -101,11 +102,6 @@ def time_graph(calls, repeats: int = 50) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.double(), expected.double()
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
 def check(weights: list[dict], found: dict, rows: int) -> bool:

@@ -9,13 +9,12 @@ engine loads it as it loads the real file, so a machine that cannot hold the fil
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from runtime.models.quant import HALF_OFFSETS
+from runtime.models.quant import random_blocks
 
 Q = gguf.GGMLQuantizationType
 
@@ -48,14 +47,8 @@ def _fill_tensor(tensor, rng) -> None:
         center = 1.0 if len(tensor.shape) == 1 and "norm" in tensor.name else 0.0
         data[...] = (center + rng.uniform(-0.05, 0.05, shape)).astype(data.dtype)
         return
+    in_features = int(tensor.shape[0])  # ne0: the contiguous dimension
     flat = data.reshape(-1)
-    flat[...] = rng.integers(0, 256, flat.size, dtype=np.uint8)
-    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
-    blocks = flat.reshape(-1, block_bytes)
-    for offset in HALF_OFFSETS[qtype]:
-        halves = rng.uniform(-0.02, 0.02, blocks.shape[0]).astype(np.float16)
-        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
-
-
-if __name__ == "__main__":
-    {"cut": cut, "fill": fill}[sys.argv[1]](*sys.argv[2:])
+    flat[...] = random_blocks(
+        qtype, int(tensor.n_elements) // in_features, in_features, rng
+    ).reshape(-1)

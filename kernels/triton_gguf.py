@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from kernels.triton_gguf_blocks import (
-    BLOCK_SHAPES,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -31,6 +30,7 @@ from kernels.triton_gguf_blocks import (
     _k_scale_min,
     _nibble,
     _signed_byte,
+    check_blocks,
 )
 
 GEMV_ROWS = 4  # at most this many rows run the integer-dot GEMV; more run the tiled kernel
@@ -153,12 +153,6 @@ def _dequantize_kernel(
     tl.store(out_ptr + offsets, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(blocks: torch.Tensor, ggml_type: int, out_features: int, in_features: int) -> None:
-    block_values, block_bytes = BLOCK_SHAPES[int(ggml_type)]
-    assert blocks.dtype == torch.uint8 and blocks.stride(1) == 1 and in_features % block_values == 0
-    assert blocks.shape == (out_features, in_features // block_values * block_bytes)
-
-
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -177,7 +171,7 @@ def gguf_matmul(
 
 def gguf_tiled(x, blocks, ggml_type, out_features, in_features) -> torch.Tensor:
     """The tiled kernel (gguf_matmul's arguments)."""
-    _check(blocks, ggml_type, out_features, in_features)
+    check_blocks(blocks, ggml_type, out_features, in_features)
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
@@ -195,7 +189,7 @@ def gguf_tiled(x, blocks, ggml_type, out_features, in_features) -> torch.Tensor:
 
 def gguf_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int, dtype) -> torch.Tensor:
     """blocks [num_rows, row_bytes] uint8 -> [num_rows, in_features] in dtype."""
-    _check(blocks, ggml_type, blocks.shape[0], in_features)
+    check_blocks(blocks, ggml_type, blocks.shape[0], in_features)
     out = torch.empty(blocks.shape[0], in_features, dtype=dtype, device=blocks.device)
     if blocks.shape[0] == 0:
         return out

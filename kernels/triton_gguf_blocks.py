@@ -1,6 +1,7 @@
 """What the Triton GGUF kernels share (kernels/triton_gguf.py's tiled matmul and dequantizer,
 kernels/triton_gguf_dot.py's integer-dot GEMV): the ggml type numbers, each type's block shape,
-and the readers of bytes, float16 scales and K-quant scales inside a block."""
+the check of a weight's blocks, and the readers of bytes, float16 scales and K-quant scales inside
+a block."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ BLOCK_SHAPES = {
     2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176),
     14: (256, 210),
 }  # fmt: skip
+
+
+def check_blocks(blocks, ggml_type: int, out_features: int, in_features: int) -> None:
+    """blocks: [out_features, row_bytes] uint8, rows contiguous, of `ggml_type`."""
+    import torch
+
+    block_values, block_bytes = BLOCK_SHAPES[int(ggml_type)]
+    assert blocks.dtype == torch.uint8 and blocks.stride(1) == 1 and in_features % block_values == 0
+    assert blocks.shape == (out_features, in_features // block_values * block_bytes)
 
 
 @triton.jit

@@ -1,13 +1,14 @@
-"""Decode matmuls on GGUF blocks by integer dot products, as llama.cpp's MMVQ does on CUDA: each
-program quantizes its slice of x to int8 per 32 values (a float scale per 32), reads the weight's quants as 32-bit words of four 8-bit values, and multiplies four at a time
-with `dp4a` (an emulation of it under Triton's interpreter). Scales are applied once per 4 or 32
-values, never per value, which keeps a Q4_K row at memory speed on a GPU.
+"""Decode matmuls on GGUF blocks by integer dot products, as llama.cpp's MMVQ does on CUDA: a small
+kernel quantizes x to int8 per 32 values (a float scale per 32), once per matmul; the GEMV reads
+the weight's quants as 32-bit words of four 8-bit values and multiplies four at a time with `dp4a`
+(an emulation of it under Triton's interpreter). Scales are applied once per 4 or 32 values, never
+per value.
 
 Every type is read as sub-blocks of 32 values: 8 words per sub-block, with per word an integer
 scale and the integer offset of its quants (q - offset), and per sub-block a float multiplier of
 the integer sum and a float multiplier of x's sum (the types with a minimum). Then, per sub-block,
 
-    y += d * dx * sum_t scale_t * (dot(q_t, xq_t) - offset * dot(1, xq_t)) + d_min * sum(x)
+    y += d * dx * sum_t scale_t * (dot(q_t, xq_t) - offset * dot(1, xq_t)) + d_min * dx * sum(xq)
 
 Blocks: [out_features, row_bytes] uint8 in ggml-common.h's layouts. Q8_0, Q4_0, Q5_0 and Q6_K
 blocks have sizes that are not multiples of four: their words are read as two 16-bit halves (every
@@ -20,7 +21,6 @@ import triton
 import triton.language as tl
 
 from kernels.triton_gguf_blocks import (
-    BLOCK_SHAPES,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -30,12 +30,14 @@ from kernels.triton_gguf_blocks import (
     _half,
     _k_scale_min,
     _signed_byte,
+    check_blocks,
 )
 
 LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
 LOW_BITS = tl.constexpr(0x01010101)
 TWO_BITS = tl.constexpr(0x03030303)
 SUBS_PER_STEP = 16  # sub-blocks of 32 values each program reads per loop step
+QUANTIZE_SUBS = 16  # sub-blocks of x each program of the quantizing kernel takes
 TARGET_PROGRAMS = 132  # one wave of an H100's SMs: fewer programs split K
 
 
@@ -215,16 +217,15 @@ def gguf_dot(
     block_n weight rows, subs sub-blocks of 32 values per loop step."""
     import torch
 
-    block_values, block_bytes = BLOCK_SHAPES[int(ggml_type)]
-    assert blocks.shape == (out_features, in_features // block_values * block_bytes)
+    check_blocks(blocks, ggml_type, out_features, in_features)
     if x.shape[0] == 0:
         return x.new_empty(0, out_features)
     assert x.shape[1] == in_features and x.stride(1) == 1 and x.shape[0] <= 16
     num_rows, num_subs = x.shape[0], in_features // 32
     words = torch.empty(num_rows, num_subs * 8, dtype=torch.int32, device=x.device)
     scales = torch.empty(2, num_rows, num_subs, dtype=torch.float32, device=x.device)
-    _quantize_x_kernel[(num_rows, triton.cdiv(num_subs, 16))](
-        x, words, scales, x.stride(0), num_rows, in_features, SUBS=16
+    _quantize_x_kernel[(num_rows, triton.cdiv(num_subs, QUANTIZE_SUBS))](
+        x, words, scales, x.stride(0), num_rows, in_features, SUBS=QUANTIZE_SUBS
     )
     num_tiles, num_steps = triton.cdiv(out_features, block_n), triton.cdiv(num_subs, subs)
     if num_splits is None:

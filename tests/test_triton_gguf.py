@@ -150,6 +150,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import triton_gguf as g
+from kernels.triton_gguf_blocks import BLOCK_SHAPES
 ints = dict.fromkeys(("num_rows", "out_features", "in_features", "x_stride", "row_bytes"), "i32")
 kernels = [
     (g._tiled_kernel, {"x_ptr": "*bf16", "blocks_ptr": "*u8", "out_ptr": "*bf16", **ints},
@@ -157,7 +158,7 @@ kernels = [
     (g._dequantize_kernel, {"blocks_ptr": "*u8", "out_ptr": "*bf16", "num_rows": "i32",
      "in_features": "i32", "row_bytes": "i32"}, dict(BLOCK_N=32, BLOCK_K=64), 4),
 ]
-for qtype in g.BLOCK_SHAPES:
+for qtype in BLOCK_SHAPES:
     for fn, signature, constants, num_warps in kernels:
         constants = {**constants, "QTYPE": qtype}
         signature = {**signature, **dict.fromkeys(constants, "constexpr")}

@@ -75,7 +75,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import triton_gguf_dot as g
-from kernels.triton_gguf import BLOCK_SHAPES
+from kernels.triton_gguf_blocks import BLOCK_SHAPES
 ints = ("num_rows", "out_features", "in_features", "row_bytes", "subs_per_split")
 def compiled(fn, signature, constants, num_warps=4):
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}

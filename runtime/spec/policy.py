@@ -107,15 +107,10 @@ class AcceptanceTracker:
         if num_drafted == 0:
             return
         num_tried = num_accepted + (num_accepted < num_drafted)
-        accepted, tried = self._trials.get(request_id, (0.0, 0.0))
-        self._trials[request_id] = (
-            self.decay * accepted + num_accepted,
-            self.decay * tried + num_tried,
-        )
-        accepted, tried = self._engine_trials
-        self._engine_trials = (
-            self.engine_decay * accepted + num_accepted,
-            self.engine_decay * tried + num_tried,
+        trials = self._trials.get(request_id, (0.0, 0.0))
+        self._trials[request_id] = _decayed(trials, self.decay, num_accepted, num_tried)
+        self._engine_trials = _decayed(
+            self._engine_trials, self.engine_decay, num_accepted, num_tried
         )
 
     @property
@@ -131,12 +126,19 @@ class AcceptanceTracker:
     def relax(self, request_id: str) -> None:
         """A step without drafts: old evidence fades, so the rate drifts back to the engine's and,
         where the engine's drafts pay, a request whose text turned copy-heavy gets probed again."""
-        accepted, tried = self._trials.get(request_id, (0.0, 0.0))
-        if tried:
-            self._trials[request_id] = (self.decay * accepted, self.decay * tried)
+        trials = self._trials.get(request_id, (0.0, 0.0))
+        if trials[1]:
+            self._trials[request_id] = _decayed(trials, self.decay)
 
     def release(self, request_id: str) -> None:
         self._trials.pop(request_id, None)
+
+
+def _decayed(
+    trials: tuple[float, float], decay: float, accepted: int = 0, tried: int = 0
+) -> tuple[float, float]:
+    """(accepted, tried) after one more observation: the old evidence weighs `decay`."""
+    return decay * trials[0] + accepted, decay * trials[1] + tried
 
 
 @dataclass(frozen=True)
