@@ -30,6 +30,7 @@ SOURCES = tuple(
         "quant_dot.cpp",
         "quant_gemm.cpp",
         "layer_ops.cpp",
+        "decode_layer.cpp",
     )
 )
 HEADERS = tuple(Path(__file__).parent / "cpu" / name for name in ("gguf_blocks.h",))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference
+from runtime.models import fused_decode
 from runtime.models.attention import AttentionBackend, ForwardContext
 from runtime.models.config import ModelConfig, rope_cos_sin_cache
 from runtime.models.quant import (
@@ -223,6 +224,7 @@ class CausalLM(nn.Module):
         # (hidden, weight) -> ids: argmax over the vocabulary without the logits (native, CPU)
         self.greedy_projection = None
         self.quantized_names: frozenset[str] = frozenset()  # parameters loaded as GGUF blocks
+        self.fused_layers: list[fused_decode.FusedLayer | None] = []  # fuse_decode_layers
 
     def make_layer(self, layer_index: int) -> nn.Module:
         raise NotImplementedError
@@ -250,10 +252,26 @@ class CausalLM(nn.Module):
             if table.numel():
                 self.backend.prepare_rotary(ctx, positions, table, x.dtype, name)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, tables, ctx)
+        fused = self._fused_for(ctx, x)
+        for layer, fused_layer in zip(self.layers, fused):
+            if fused_layer is None:
+                x, residual = layer(positions, x, residual, tables, ctx)
+            else:
+                x, residual = fused_layer(x, residual, ctx)
         x, _ = self.norm(x, residual)
         return x
+
+    def fuse_decode_layers(self) -> None:
+        """After loading, on CPU with the native kernels: the layers that fit run a decode step
+        as one native call each (runtime/models/fused_decode.py)."""
+        self.fused_layers = [fused_decode.FusedLayer.of(layer) for layer in self.layers]
+
+    def _fused_for(self, ctx: ForwardContext, x: torch.Tensor) -> list:
+        """Each layer's fused form where this step may use it, else None."""
+        first = next((f for f in self.fused_layers if f is not None), None)
+        if first is None or not fused_decode.step_fits(ctx, x, self.backend, first.dtype):
+            return [None] * len(self.layers)
+        return self.fused_layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_seqs, hidden] -> logits [num_seqs, vocab] float32."""

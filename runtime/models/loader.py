@@ -50,6 +50,8 @@ def load_model(
         module.greedy_projection = native.greedy_projection_for(device, dtype)
     if can_pack(device, dtype):
         module.pack_linears()
+    if device.type == "cpu" and native.native_ops() is not None:
+        module.fuse_decode_layers()
     return module.eval()
 
 

@@ -120,6 +120,12 @@ def integer_dot_rows(dtype: torch.dtype) -> int:
     return DECODE_ROWS if vector_dequantize() else SCALAR_DEQUANTIZE_DECODE_ROWS
 
 
+def few_rows_step(rows: int, dtype: torch.dtype) -> bool:
+    """The running step's quantized matmuls of `rows` rows take the few-rows kernel."""
+    counted = _STEP.drafted_seqs or rows
+    return counted <= integer_dot_rows(dtype) and not _STEP.has_prompt_rows
+
+
 @functools.cache
 def vector_dequantize() -> bool:
     """AVX-512 dequantization straight into float32 or bfloat16 (quant_dot.cpp's unpacking);
@@ -206,9 +212,7 @@ class QuantizedWeight(nn.Module):
                 rows, self.blocks, self.ggml_type, self.out_features, self.in_features
             )
         ops = self._native()
-        counted = _STEP.drafted_seqs or rows.shape[0]
-        few = counted <= integer_dot_rows(rows.dtype) and not _STEP.has_prompt_rows
-        if ops is not None and few:
+        if ops is not None and few_rows_step(rows.shape[0], rows.dtype):
             kernel = ops.quant_dot if integer_dots() else ops.quant_matmul
             return kernel(
                 rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features

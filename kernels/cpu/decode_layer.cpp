@@ -1,0 +1,114 @@
+// One decoder layer of a decode step (Llama, Qwen2, Mistral) in one call: the same ops, in the
+// same order, as runtime/models/llama.py's layer over runtime/models/layers.py's modules, called
+// through the dispatcher from here instead of from Python. A SmolLM2 decode step makes about 25
+// small calls a layer; from Python each costs microseconds of interpreter and binding, which came
+// to a third of the step (measured: 5-6 ms of 13-17). The results are bit for bit the unfused
+// layer's (tests/test_decode_layer.py): every number comes from the same kernels.
+//
+// Shapes (T tokens, all decode queries; H heads, KV kv heads, D head_dim):
+//   x [T, hidden], residual [T, hidden] or none (the first layer), in the model's dtype
+//   a projection: its parts' GGUF blocks [rows_i, row_bytes_i] uint8 and their ggml types; the
+//     parts' outputs side by side make it (q/k/v, gate/up: fused at load)
+//   cos, sin [T, 1, D] (kernels/reference.py's RotaryPlan); k/v cache [blocks, block_size, KV, D]
+//   slots [T] int64; block_tables [T, max_blocks] int32; seq_lens [T] int32
+//   returns (the MLP's output [T, hidden], x + residual before the post-attention norm's sum)
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Tensor = at::Tensor;
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+Tensor quant_dot(const Tensor& x, const Tensor& blocks, int64_t type, int64_t out, int64_t in) {
+  static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, bool)>(
+      "conveyor_cpu::quant_dot");
+  return op.call(x, blocks, type, out, in, true);
+}
+
+std::tuple<Tensor, Tensor> rms_norm(const Tensor& x, const Tensor& weight, double eps,
+                                    const c10::optional<Tensor>& residual) {
+  static const auto op = typed_op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, double,
+                                                             const c10::optional<Tensor>&)>("conveyor_cpu::rms_norm");
+  auto [out, sum] = op.call(x, weight, eps, residual);
+  return {out, residual ? sum : x};  // without residual, x is the sum
+}
+
+// x [T, in] @ the projection's parts, side by side, plus the bias where there is one
+Tensor project(const Tensor& x, const std::vector<Tensor>& parts, c10::IntArrayRef types,
+               const c10::optional<Tensor>& bias) {
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "decode_layer: one ggml type per part");
+  const int64_t in = x.size(1);
+  std::vector<Tensor> outs;
+  outs.reserve(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) outs.push_back(quant_dot(x, parts[i], types[i], parts[i].size(0), in));
+  Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, -1);
+  return bias ? y + bias->to(y.scalar_type()) : y;
+}
+
+struct Projection {
+  std::vector<Tensor> parts;
+  c10::IntArrayRef types;
+};
+
+Tensor attention(const Tensor& h, const Projection& qkv, const c10::optional<Tensor>& qkv_bias,
+                 const Projection& o, int64_t heads, int64_t kv_heads, int64_t dim, const Tensor& cos,
+                 const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                 const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t sliding_window) {
+  static const auto rotary = typed_op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                                 const Tensor&)>("conveyor_cpu::rotary_with_plan");
+  static const auto store = typed_op<void(const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&)>(
+      "conveyor_cpu::store_kvcache");
+  static const auto decode = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                             const Tensor&, double, int64_t)>("conveyor_cpu::paged_attention_decode");
+  const int64_t tokens = h.size(0), q_size = heads * dim, kv_size = kv_heads * dim;
+  const Tensor mixed = project(h, qkv.parts, qkv.types, qkv_bias);  // [T, q_size + 2 kv_size]
+  const Tensor q = mixed.narrow(1, 0, q_size).view({tokens, heads, dim});
+  const Tensor k = mixed.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
+  const Tensor v = mixed.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
+  auto [q_rot, k_rot] = rotary.call(q, k, cos, sin);
+  store.call(k_rot, v, k_cache, v_cache, slots);
+  const Tensor out = decode.call(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window);
+  return project(out.reshape({tokens, q_size}), o.parts, o.types, c10::nullopt);
+}
+
+std::tuple<Tensor, Tensor> decode_layer(
+    const Tensor& x, const c10::optional<Tensor>& residual, const Tensor& input_norm, const Tensor& post_norm,
+    double eps, std::vector<Tensor> qkv_parts, c10::IntArrayRef qkv_types, const c10::optional<Tensor>& qkv_bias,
+    std::vector<Tensor> o_parts, c10::IntArrayRef o_types, std::vector<Tensor> gate_up_parts,
+    c10::IntArrayRef gate_up_types, std::vector<Tensor> down_parts, c10::IntArrayRef down_types, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, const Tensor& cos, const Tensor& sin, const Tensor& k_cache,
+    const Tensor& v_cache, const Tensor& slots, const Tensor& block_tables, const Tensor& seq_lens, double scale,
+    int64_t sliding_window) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "decode_layer: x [tokens, hidden] on CPU");
+  auto [h, sum] = rms_norm(x, input_norm, eps, residual);
+  const Tensor attended =
+      attention(h, {std::move(qkv_parts), qkv_types}, qkv_bias, {std::move(o_parts), o_types}, heads, kv_heads,
+                head_dim, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, scale, sliding_window);
+  auto [h2, sum2] = rms_norm(attended, post_norm, eps, sum);
+  const Tensor gate_up = project(h2, gate_up_parts, gate_up_types, c10::nullopt);  // [T, 2 I]
+  const int64_t intermediate = gate_up.size(1) / 2;
+  const Tensor act = at::silu(gate_up.narrow(1, 0, intermediate)) * gate_up.narrow(1, intermediate, intermediate);
+  return {project(act, down_parts, down_types, c10::nullopt), sum2};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
+  m.def(
+      "decode_layer(Tensor x, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
+      "Tensor[] qkv_parts, int[] qkv_types, Tensor? qkv_bias, Tensor[] o_parts, int[] o_types, "
+      "Tensor[] gate_up_parts, int[] gate_up_types, Tensor[] down_parts, int[] down_types, int heads, "
+      "int kv_heads, int head_dim, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slots, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window) -> (Tensor, Tensor)");
+  m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
+}

@@ -1,0 +1,104 @@
+"""A CPU decode step's Llama-family layers, one native call each (kernels/cpu/decode_layer.cpp):
+the same kernels in the same order as the layer's modules, without the interpreter between them.
+
+A layer fits when its projections are all GGUF blocks of a type with a native kernel, its norms
+plain RMSNorm and its MLP SwiGLU (Llama, Qwen2, Mistral; Gemma's layers keep their modules). A
+step fits when it is made of decode queries only and its quantized matmuls take the integer-dot
+kernel (quant.few_rows_step): then the fused layer computes bit for bit what the modules would.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.native import native_ops
+from runtime.models import quant
+from runtime.models.attention import ForwardContext
+from runtime.models.quant import NATIVE_TYPES, ConcatLinear, QuantizedLinear
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _parts(projection: nn.Module) -> tuple[list[torch.Tensor], list[int]] | None:
+    """(blocks, ggml types) of a projection's parts, or None where one is not native GGUF."""
+    parts = projection.parts if isinstance(projection, ConcatLinear) else [projection]
+    if not all(isinstance(p, QuantizedLinear) and p.ggml_type in NATIVE_TYPES for p in parts):
+        return None
+    if isinstance(projection, ConcatLinear) and any(p.bias is not None for p in parts):
+        return None
+    if any(p.blocks.is_cuda or not p.blocks.is_contiguous() for p in parts):
+        return None
+    return [p.blocks for p in parts], [int(p.ggml_type) for p in parts]
+
+
+def _plain_layer_dtype(layer: nn.Module) -> torch.dtype | None:
+    """The dtype of a Llama-style layer (plain RMSNorms, no q/k norms, a SwiGLU MLP), else None."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    if attn is None or getattr(mlp, "act", None) is not F.silu or attn.q_norm is not None:
+        return None
+    if hasattr(layer, "pre_feedforward_layernorm") or any(n is None for n in norms):
+        return None
+    dtypes = {n.weight.dtype for n in norms}
+    if len(dtypes) > 1 or any(n.unit_offset for n in norms):
+        return None
+    dtype = dtypes.pop()
+    return dtype if dtype in NATIVE_DTYPES else None
+
+
+class FusedLayer:
+    """A decoder layer's weights laid out once for decode_layer's arguments."""
+
+    def __init__(self, layer: nn.Module, projections: list, dtype: torch.dtype) -> None:
+        attn = layer.self_attn
+        self.attn = attn
+        self.dtype = dtype
+        bias = attn.qkv_proj.bias
+        self.norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        self.eps = layer.input_layernorm.eps
+        (qkv, qkv_types), o, gate_up, down = projections
+        self.weights = (
+            qkv, qkv_types, None if bias is None else bias.detach().to(dtype),
+            *o, *gate_up, *down, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> FusedLayer | None:
+        """The fused form of a layer, or None where it does not fit."""
+        dtype = _plain_layer_dtype(layer)
+        if dtype is None:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        projections = [_parts(m) for m in modules]
+        if any(p is None for p in projections):
+            return None
+        if any(getattr(m, "bias", None) is not None for m in modules[1:]):
+            return None
+        return cls(layer, projections, dtype)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
+        attn, meta = self.attn, ctx.attn
+        plan, i = ctx.rope[attn.rope], attn.layer_index
+        return native_ops().decode_layer(
+            x, residual, *self.norms, self.eps, *self.weights, plan.cos, plan.sin,
+            ctx.k_caches[i], ctx.v_caches[i], meta.slot_mapping, meta.decode_block_tables,
+            meta.decode_seq_lens, attn.scale, attn.sliding_window or 0,
+        )  # fmt: skip
+
+
+def step_fits(ctx: ForwardContext, x: torch.Tensor, backend, dtype: torch.dtype) -> bool:
+    """This step's fused layers compute what their modules would: CPU, decode queries only, the
+    integer-dot kernel for its matmuls, the native attention, rope plans and caches in x's dtype."""
+    if x.is_cuda or x.dtype != dtype or backend.native is None or ctx.attn.num_prefill_seqs:
+        return False
+    if not (quant.integer_dots() and quant.few_rows_step(x.shape[0], x.dtype)):
+        return False
+    plans_fit = all(
+        p.cos.dtype == p.sin.dtype == dtype and p.cos.is_contiguous() and p.sin.is_contiguous()
+        for p in ctx.rope.values()
+    )
+    cache = ctx.k_caches[0]
+    return plans_fit and bool(ctx.rope) and cache.dtype == dtype and cache.is_contiguous()
