@@ -43,6 +43,23 @@ def test_paged_decode_matches_reference(ops, num_heads, num_kv_heads, head_dim, 
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("num_seqs", [1, 5])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_paged_decode_splits_a_sequence_by_kv_heads(ops, num_seqs, dtype, atol):
+    """Tasks are (sequence, kv head): with 2 threads, one sequence's kv heads (and one of five
+    sequences', 15 tasks) run on both threads; long rows span many 32-token chunks."""
+    generator = torch.Generator().manual_seed(num_seqs)
+    case = _decode_case(num_seqs, 9, 3, 64, dtype, 250, generator)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = ops.paged_attention_decode(*case, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    expected = reference.paged_attention_decode(*case, scale=0.125)
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
+
+
 def test_paged_decode_matches_reference_on_sharp_scores(ops):
     """Scores hundreds apart: the weights of all but the best keys underflow to zero."""
     generator = torch.Generator().manual_seed(11)
