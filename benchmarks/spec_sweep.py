@@ -26,14 +26,15 @@ from runtime.models.catalog import DEFAULT_MODEL
 from runtime.spec.policy import FixedK
 from scheduler.request import SamplingParams
 
-COPY_SOURCE = Path(__file__).resolve().parent.parent / "runtime" / "spec" / "policy.py"
+# the copy workload's text: 40 lines of Python, fixed (it was policy.py's head, which changed)
+COPY_SOURCE = Path(__file__).resolve().parent / "data" / "spec-copy-source.txt"
 MODES = ("off", "policy", "fixed k")
 COLORS = {"policy": "#1b7837", "fixed k": "#c51b7d"}
 DASHES = {"copy": "", "chat": "6,4"}
 
 
 def prompts() -> dict[str, str]:
-    source = "\n".join(COPY_SOURCE.read_text().splitlines()[:40])
+    source = COPY_SOURCE.read_text().rstrip("\n")
     return {
         "copy": f"Output the following Python code exactly, unchanged:\n\n{source}",
         "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",

@@ -184,3 +184,18 @@ def test_stats_count_drafts_and_accepted_tokens_per_position():
     assert stats.acceptance_rate == pytest.approx(2 / 5)
     assert stats.mean_accepted_length == pytest.approx(2.0)
     assert stats.num_drafts_per_k == {3: 1, 2: 1}
+
+
+def test_a_request_probes_with_one_draft_and_grows_k_as_its_drafts_land():
+    """However high the acceptance it starts from (here the engine's, after a copying request),
+    a request's first probe is one draft; each accepted draft lets it take one more, up to k."""
+    policy = SpeculationPolicy(5, fitted_cost(0.02, 0.00001), AcceptanceTracker(prior=0.9))
+    rows = [RowCandidate("r", 10)]
+    ks = []
+    for accepted in (1, 2, 3):  # every draft accepted: own accepted 1, 2.9, 5.6 (decayed)
+        ks.append(policy.choose(rows, 1, 1, token_budget_left=100)[0])
+        policy.observe("r", ks[-1], accepted)
+    ks.append(policy.choose(rows, 1, 1, token_budget_left=100)[0])
+    assert ks == [1, 2, 3, 5]
+    assert policy.acceptance.rate("chat") > 0.9
+    assert policy.choose([RowCandidate("chat", 10)], 1, 1, token_budget_left=100) == [1]

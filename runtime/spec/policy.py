@@ -11,7 +11,9 @@ Step cost: t(rows, tokens) = c0 + c_rows * rows + c_tokens * tokens, fitted onli
 squares over a window of measured steps. Adding drafts adds tokens only (rows are scheduled
 anyway), so the policy raises k one draft at a time where a^j is largest, while goodput grows
 and budget is left. A full batch (no budget) or a costly token (c_tokens large against a^j)
-means k = 0; k = 0 everywhere is no speculation at all. A row whose acceptance rate is below
+means k = 0; k = 0 everywhere is no speculation at all. A request takes one draft more than it
+has had accepted (AcceptanceTracker.probe_cap): probing costs one verified token, and k grows as
+drafts land. A row whose acceptance rate is below
 `min_acceptance` gets k = 0 whatever the fit says: the cost model sees only the forward pass,
 not the proposer's and the verifier's host time, and its token slope is noisy near zero.
 
@@ -39,7 +41,8 @@ class StepCostModel:
         self.min_samples = min_samples
         # keep_drafted_apart: steps with drafts in their own window, so that a long run of plain
         # decodes (one token a row: rows and tokens collinear) cannot make the fit forget what a
-        # draft token costs; a draft model, which probes only where drafts pay, needs that
+        # draft token costs (the engine keeps them apart: prompt lookup without a match and a
+        # draft model that probes only where drafts pay both leave long runs of plain decodes)
         self.drafted: deque[tuple[int, int, float]] | None = (
             deque(maxlen=window) if keep_drafted_apart else None
         )
@@ -123,6 +126,12 @@ class AcceptanceTracker:
         accepted, tried = self._trials.get(request_id, (0.0, 0.0))
         return (accepted + self.engine_rate * self.prior_weight) / (tried + self.prior_weight)
 
+    def probe_cap(self, request_id: str) -> int:
+        """The most drafts the request may take now: one more than its own accepted drafts
+        (decayed). A request probes with one draft and grows k only as drafts land, so a chat
+        request under a copying engine's prior pays single tokens for its failed probes, not k."""
+        return 1 + int(self._trials.get(request_id, (0.0, 0.0))[0])
+
     def relax(self, request_id: str) -> None:
         """A step without drafts: old evidence fades, so the rate drifts back to the engine's and,
         where the engine's drafts pay, a request whose text turned copy-heavy gets probed again."""
@@ -178,10 +187,9 @@ class SpeculationPolicy:
             if rate < self.min_acceptance:
                 self.acceptance.relax(row.request_id)
         # max-heap of each row's next draft's expected gain a^(k+1)
+        caps = [min(self._cap(row), self.acceptance.probe_cap(row.request_id)) for row in rows]
         heap = [
-            (-rate, i)
-            for i, rate in enumerate(rates)
-            if rate >= self.min_acceptance and self._cap(rows[i]) > 0
+            (-rate, i) for i, rate in enumerate(rates) if rate >= self.min_acceptance and caps[i]
         ]
         heapq.heapify(heap)
         expected = float(num_rows)  # each scheduled row yields one token without drafts
@@ -196,7 +204,7 @@ class SpeculationPolicy:
                 break  # gains only shrink from here
             expected, best, extra = expected - negative_gain, goodput, extra + 1
             ks[i] += 1
-            if ks[i] < self._cap(rows[i]):
+            if ks[i] < caps[i]:
                 heapq.heappush(heap, (negative_gain * rates[i], i))
         return ks
 

@@ -73,7 +73,7 @@ class Speculator:
         self.num_speculative_tokens = num_speculative_tokens
         self.proposer = proposer
         self.policy = policy or SpeculationPolicy(
-            num_speculative_tokens, StepCostModel(), AcceptanceTracker()
+            num_speculative_tokens, StepCostModel(keep_drafted_apart=True), AcceptanceTracker()
         )
         self.stats = SpecDecodeStats(num_speculative_tokens)
         self.num_rows_per_k: dict[int, int] = {}  # the policy's choices, k = 0 included
