@@ -199,3 +199,17 @@ def test_a_request_probes_with_one_draft_and_grows_k_as_its_drafts_land():
     assert ks == [1, 2, 3, 5]
     assert policy.acceptance.rate("chat") > 0.9
     assert policy.choose([RowCandidate("chat", 10)], 1, 1, token_budget_left=100) == [1]
+
+
+def test_an_engine_whose_first_probes_failed_probes_again_later():
+    """Every row's first probe rejected puts every rate under min_acceptance: nothing drafts, so
+    nothing new is observed. After probe_interval steps at k = 0 a row gets one single draft."""
+    tracker = AcceptanceTracker(probe_interval=64)
+    policy = SpeculationPolicy(5, fitted_cost(0.02, 0.00001), tracker)
+    names = [f"r{i}" for i in range(4)]
+    for name in names:
+        policy.observe(name, 1, 0)
+    rows = [RowCandidate(name, 10) for name in names]
+    chosen = [policy.choose(rows, 4, 4, token_budget_left=100) for _ in range(130)]
+    probes = [step for step, ks in enumerate(chosen) if any(ks)]
+    assert probes == [63, 127] and all(chosen[s] == [1, 1, 1, 1] for s in probes)

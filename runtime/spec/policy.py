@@ -13,9 +13,11 @@ anyway), so the policy raises k one draft at a time where a^j is largest, while 
 and budget is left. A full batch (no budget) or a costly token (c_tokens large against a^j)
 means k = 0; k = 0 everywhere is no speculation at all. A request takes one draft more than it
 has had accepted (AcceptanceTracker.probe_cap): probing costs one verified token, and k grows as
-drafts land. A row whose acceptance rate is below
-`min_acceptance` gets k = 0 whatever the fit says: the cost model sees only the forward pass,
-not the proposer's and the verifier's host time, and its token slope is noisy near zero.
+drafts land. A row whose acceptance rate is below `min_acceptance` gets k = 0 whatever the fit
+says: the cost model sees only the forward pass, not the proposer's and the verifier's host
+time, and its token slope is noisy near zero. A row left at k = 0 relaxes toward the engine's
+rate, and after `probe_interval` such steps in a row gets one single-draft probe, so that no
+rate stays where it does not pay for want of new evidence.
 
 A draft model's own forward passes cost time the target's step does not show: `DraftCost`
 measures its seconds per drafted token, and each draft is charged that on top of the step's
@@ -98,11 +100,16 @@ class AcceptanceTracker:
 
     def __init__(
         self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9,
-        engine_decay: float = 0.99,
+        engine_decay: float = 0.95, relax_decay: float = 0.97, probe_interval: int = 64,
     ):  # fmt: skip
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
-        self.engine_decay = engine_decay
+        # engine_decay: the engine's memory is a few dozen drafted rows, so that it follows a
+        # change of workload (copy, then chat) within as many; relax_decay: a row at k = 0
+        # forgets its own failures over a few dozen steps, its probes failing at most that often
+        self.engine_decay, self.relax_decay = engine_decay, relax_decay
+        self.probe_interval = probe_interval
         self._trials: dict[str, tuple[float, float]] = {}  # request id -> (accepted, tried)
+        self._waited: dict[str, int] = {}  # request id -> steps at k = 0 since its last probe
         self._engine_trials = (0.0, 0.0)  # every request's, decayed by engine_decay
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
@@ -110,6 +117,7 @@ class AcceptanceTracker:
         if num_drafted == 0:
             return
         num_tried = num_accepted + (num_accepted < num_drafted)
+        self._waited.pop(request_id, None)
         trials = self._trials.get(request_id, (0.0, 0.0))
         self._trials[request_id] = _decayed(trials, self.decay, num_accepted, num_tried)
         self._engine_trials = _decayed(
@@ -132,15 +140,23 @@ class AcceptanceTracker:
         request under a copying engine's prior pays single tokens for its failed probes, not k."""
         return 1 + int(self._trials.get(request_id, (0.0, 0.0))[0])
 
-    def relax(self, request_id: str) -> None:
-        """A step without drafts: old evidence fades, so the rate drifts back to the engine's and,
-        where the engine's drafts pay, a request whose text turned copy-heavy gets probed again."""
+    def relax(self, request_id: str) -> bool:
+        """A row the policy gave k = 0: old evidence fades, so the rate drifts back to the
+        engine's and, where the engine's drafts pay, a request whose text turned copy-heavy gets
+        probed again. True on every `probe_interval`-th such step in a row: then the row gets a
+        single-draft probe whatever its rate, so that no rate stays where it does not pay for
+        want of evidence (an engine whose first probes all failed observes nothing new
+        otherwise). One verified token in probe_interval steps is under 1% of them."""
         trials = self._trials.get(request_id, (0.0, 0.0))
         if trials[1]:
-            self._trials[request_id] = _decayed(trials, self.decay)
+            self._trials[request_id] = _decayed(trials, self.relax_decay)
+        waited = self._waited.get(request_id, 0) + 1
+        self._waited[request_id] = waited % self.probe_interval
+        return waited == self.probe_interval
 
     def release(self, request_id: str) -> None:
         self._trials.pop(request_id, None)
+        self._waited.pop(request_id, None)
 
 
 def _decayed(
@@ -183,9 +199,6 @@ class SpeculationPolicy:
         if not rows or token_budget_left <= 0 or not self.cost.is_fitted:
             return ks
         rates = [self.acceptance.rate(row.request_id) for row in rows]
-        for row, rate in zip(rows, rates):
-            if rate < self.min_acceptance:
-                self.acceptance.relax(row.request_id)
         # max-heap of each row's next draft's expected gain a^(k+1)
         caps = [min(self._cap(row), self.acceptance.probe_cap(row.request_id)) for row in rows]
         heap = [
@@ -206,6 +219,10 @@ class SpeculationPolicy:
             ks[i] += 1
             if ks[i] < caps[i]:
                 heapq.heappush(heap, (negative_gain * rates[i], i))
+        for i, row in enumerate(rows):
+            probe = ks[i] == 0 and self.acceptance.relax(row.request_id)
+            if probe and extra < token_budget_left and self._cap(row):
+                ks[i], extra = 1, extra + 1
         return ks
 
     def _cap(self, row: RowCandidate) -> int:
