@@ -374,6 +374,15 @@ def test_a_request_id_with_a_script_renders_inert(server, preempted, pages):
     assert view.dialogs == []
 
 
+def tokens_per_s_shown(page) -> bool:
+    """The tokens/s card above zero now or at a refresh since: the streams of a fast engine can
+    end between two refreshes, and then the card reads 0 again; its sparkline keeps the rates
+    (its maximum is at least 1 by construction)."""
+    now = float(page.locator("#tokens-per-s").get_attribute("data-value") or 0)
+    peak = (page.locator("#spark-tokens-max").text_content() or "max 0").removeprefix("max ")
+    return now > 0 or float(peak) > 1
+
+
 def test_the_console_updates_while_requests_run(server, preempted, pages):
     view = pages(ADMIN_TOKEN)
     view.page.goto(f"{server.base_url}/admin/console")
@@ -395,10 +404,7 @@ def test_the_console_updates_while_requests_run(server, preempted, pages):
         assert running >= 1
         group = view.page.locator("#groups tr").first.text_content()
         assert "5" in group and preempted["low"]["name"] in group
-        wait_until(
-            lambda: float(view.page.locator("#tokens-per-s").get_attribute("data-value") or 0),
-            what="tokens/s above zero",
-        )
+        wait_until(lambda: tokens_per_s_shown(view.page), what="tokens/s above zero")
         view.page.screenshot(path=str(IMAGES / "console.png"), full_page=True)
     finally:
         for reader in readers:
