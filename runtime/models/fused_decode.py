@@ -14,11 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.native import native_ops
+from kernels.native_layer_ops import NATIVE_DTYPES
 from runtime.models import quant
 from runtime.models.attention import ForwardContext
 from runtime.models.quant import NATIVE_TYPES, ConcatLinear, QuantizedLinear
-
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _parts(projection: nn.Module) -> tuple[list[torch.Tensor], list[int]] | None:
@@ -26,9 +25,7 @@ def _parts(projection: nn.Module) -> tuple[list[torch.Tensor], list[int]] | None
     parts = projection.parts if isinstance(projection, ConcatLinear) else [projection]
     if not all(isinstance(p, QuantizedLinear) and p.ggml_type in NATIVE_TYPES for p in parts):
         return None
-    if isinstance(projection, ConcatLinear) and any(p.bias is not None for p in parts):
-        return None
-    if any(p.blocks.is_cuda or not p.blocks.is_contiguous() for p in parts):
+    if not all(p.blocks.is_contiguous() for p in parts):
         return None
     return [p.blocks for p in parts], [int(p.ggml_type) for p in parts]
 
@@ -92,7 +89,7 @@ class FusedLayer:
 def step_fits(ctx: ForwardContext, x: torch.Tensor, backend, dtype: torch.dtype) -> bool:
     """This step's fused layers compute what their modules would: CPU, decode queries only, the
     integer-dot kernel for its matmuls, the native attention, rope plans and caches in x's dtype."""
-    if x.is_cuda or x.dtype != dtype or backend.native is None or ctx.attn.num_prefill_seqs:
+    if x.dtype != dtype or backend.native is None or ctx.attn.num_prefill_seqs:
         return False
     if not (quant.integer_dots() and quant.few_rows_step(x.shape[0], x.dtype)):
         return False

@@ -199,8 +199,8 @@ class SpeculationPolicy:
         if not rows or token_budget_left <= 0 or not self.cost.is_fitted:
             return ks
         rates = [self.acceptance.rate(row.request_id) for row in rows]
-        # max-heap of each row's next draft's expected gain a^(k+1)
         caps = [min(self._cap(row), self.acceptance.probe_cap(row.request_id)) for row in rows]
+        # max-heap of each row's next draft's expected gain a^(k+1)
         heap = [
             (-rate, i) for i, rate in enumerate(rates) if rate >= self.min_acceptance and caps[i]
         ]
