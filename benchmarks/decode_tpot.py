@@ -39,6 +39,26 @@ def measure(model: str, device: str, mode: str, tokens: int, eager: bool) -> dic
             "weight_bytes": engine.runner.model.weight_bytes_per_token()}  # fmt: skip
 
 
+def profile(model: str, device: str, mode: str, tokens: int) -> None:
+    """Device time per token of each kernel, from an eager run (CUDA graphs hide kernels from the
+    profiler; a kernel's own time is the same in a graph)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    config = EngineConfig(model=model, device=device, quantization=mode, enforce_eager=True,
+                          num_kv_blocks=4096)  # fmt: skip
+    engine = Engine(config)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    engine.generate([PROMPT], params)  # warm-up
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate([PROMPT], params)
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events)
+    print(f"{mode}: device time {total / tokens:8.1f} us a token, by kernel:")
+    for e in events[:18]:
+        print(f"  {e.device_time_total / tokens:8.1f} us {e.count / tokens:6.1f}x  {e.key[:90]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -46,6 +66,7 @@ def main() -> None:
     p.add_argument("--modes", default="gguf,none", help="--quantization values, in order")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--profile", action="store_true", help="also each kernel's time a token")
     args = p.parse_args()
     device = EngineConfig(device=args.device).resolved_device()
     copy = measure_copy_bandwidth(device)
@@ -56,6 +77,8 @@ def main() -> None:
         print(f"{mode:5} weights {r['weight_bytes'] / 1e6:7.1f} MB a token  TPOT "
               f"{r['tpot_s'] * 1e3:7.3f} ms  {1 / r['tpot_s']:7.1f} tok/s  "
               f"{rate / 1e9:6.0f} GB/s = {rate / copy:5.1%} of copy")  # fmt: skip
+        if args.profile:
+            profile(args.model, args.device, mode, args.tokens)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -2,8 +2,9 @@
 
 The weights are the model's own list (each tensor's GGUF type and shape, read from the file or
 from a listing that `--write-listing` made of it: a GPU machine may not hold the file), filled
-with random blocks that have finite scales. For kernels/triton_gguf_dot.py's integer-dot GEMV in a
-few tile shapes, and for cuBLAS on the dequantized bfloat16 weights:
+with random blocks that have finite scales and repacked into kernels/gguf_planes.py's planes. For
+kernels/triton_gguf_dot.py's integer-dot GEMV in a few tile shapes, and for cuBLAS on the
+dequantized bfloat16 weights:
 
 1. the relative error against F.linear on the dequantized weight, per type and shape;
 2. each role's matmuls over all layers (every layer's own weight, so nothing is served from L2)
@@ -31,8 +32,9 @@ from runtime.models.quant import HALF_OFFSETS, row_bytes
 
 Q = gguf.GGMLQuantizationType
 DEVICE = torch.device("cuda")
-DOT_SHAPES = [(4, 16, 2), (8, 16, 4), (2, 16, 1), (4, 32, 4)]
-# (block_n, sub-blocks per step, warps) of the integer-dot GEMV; the first is its default
+DOT_SHAPES = [(256, 2, 2, 528), (256, 1, 2, 528), (256, 2, 2, 1056)]
+# (block_n, sub-blocks per step, warps, programs wanted) of the integer-dot GEMV; the first is its
+# default
 
 
 def listing_of(path: str) -> list[dict]:
@@ -72,10 +74,11 @@ def kernels() -> dict:
     from kernels import triton_gguf_dot
 
     found = {}
-    for block_n, subs, warps in DOT_SHAPES:
-        found[f"dot {block_n}x{subs}w{warps}"] = lambda x, b, t, o, i, bn=block_n, s=subs, w=warps: (
-            triton_gguf_dot.gguf_dot(x, b, t, o, i, block_n=bn, subs=s, num_warps=w)
-        )
+    for block_n, subs, warps, programs in DOT_SHAPES:
+        found[f"{block_n}x{subs}w{warps}p{programs}"] = lambda x, planes, shape=(
+            block_n, subs, warps, programs): triton_gguf_dot.gguf_dot(
+            x, planes, block_n=shape[0], subs=shape[1], num_warps=shape[2],
+            target_programs=shape[3])  # fmt: skip
     return found
 
 
@@ -115,12 +118,12 @@ def check(weights: list[dict], found: dict, rows: int) -> bool:
         if key in seen:
             continue
         seen.add(key)
-        qtype, (out_features, in_features) = Q[w["type"]], w["shape"]
+        out_features, in_features = w["shape"]
         x = torch.randn(rows, in_features, device=DEVICE, dtype=torch.bfloat16)
-        dense = gguf_dequantize(w["blocks"], qtype, in_features, torch.float32)
+        dense = gguf_dequantize(w["planes"], torch.float32)
         expected = x.float() @ dense.T
-        errors = {name: relative_error(fn(x, w["blocks"], qtype, out_features, in_features),
-                                       expected) for name, fn in found.items()}  # fmt: skip
+        errors = {name: relative_error(fn(x, w["planes"]), expected)
+                  for name, fn in found.items()}  # fmt: skip
         worst = max(errors.values())
         ok &= worst < 2e-2
         print(f"  {w['type']:5} {out_features:>6}x{in_features:<6} worst {worst:.1e}  "
@@ -132,7 +135,7 @@ def calls_for(weights: list[dict], fn, rows: int) -> list:
     inputs = {}
     calls = []
     for w in weights:
-        qtype, (out_features, in_features) = Q[w["type"]], w["shape"]
+        in_features = w["shape"][1]
         if in_features not in inputs:
             inputs[in_features] = torch.randn(rows, in_features, device=DEVICE,
                                               dtype=torch.bfloat16)  # fmt: skip
@@ -140,8 +143,7 @@ def calls_for(weights: list[dict], fn, rows: int) -> list:
         if fn is None:  # cuBLAS on the dequantized weight
             calls.append(lambda x=x, d=w["dense"]: F.linear(x, d))
         else:
-            calls.append(lambda x=x, w=w, q=qtype, o=out_features, i=in_features: fn(
-                x, w["blocks"], q, o, i))  # fmt: skip
+            calls.append(lambda x=x, planes=w["planes"]: fn(x, planes))
     return calls
 
 
@@ -154,7 +156,7 @@ def table(weights: list[dict], found: dict, rows: int, copy_rate: float) -> None
     header = f"  {'role':22} {'MB':>7} " + " ".join(f"{n:>14}" for n in found)
     print(header + f" {'cuBLAS bf16':>14}")
     for role, group in groups.items():
-        quant_bytes = sum(w["blocks"].numel() for w in group)
+        quant_bytes = sum(w["planes"].data.nbytes for w in group)
         cells = []
         for fn in found.values():
             seconds = time_graph(calls_for(group, fn, rows))
@@ -172,14 +174,16 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("no GPU present: nothing to measure")
         return 0
+    from kernels.gguf_planes import repack
     from kernels.triton_gguf import gguf_dequantize
 
     weights = [w for w in json.loads(Path(args.weights).read_text())
                if w["name"] != "token_embd.weight"]  # fmt: skip
     for w in weights:
         qtype, (out_features, in_features) = Q[w["type"]], w["shape"]
-        w["blocks"] = random_device_blocks(qtype, out_features, in_features)
-        w["dense"] = gguf_dequantize(w["blocks"], qtype, in_features, torch.bfloat16)
+        blocks = random_device_blocks(qtype, out_features, in_features)
+        w["planes"] = repack(blocks, qtype, in_features)
+        w["dense"] = gguf_dequantize(w["planes"], torch.bfloat16)
     found = kernels()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     ok = all(check(weights, found, rows) for rows in (1, 4))

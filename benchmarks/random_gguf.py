@@ -52,3 +52,9 @@ def _fill_tensor(tensor, rng) -> None:
     flat[...] = random_blocks(
         qtype, int(tensor.n_elements) // in_features, in_features, rng
     ).reshape(-1)
+
+
+if __name__ == "__main__":
+    import sys
+
+    {"cut": cut, "fill": fill}[sys.argv[1]](*sys.argv[2:])

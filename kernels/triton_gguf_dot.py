@@ -1,18 +1,15 @@
-"""Decode matmuls on GGUF blocks by integer dot products, as llama.cpp's MMVQ does on CUDA: a small
-kernel quantizes x to int8 per 32 values (a float scale per 32), once per matmul; the GEMV reads
-the weight's quants as 32-bit words of four 8-bit values and multiplies four at a time with `dp4a`
-(an emulation of it under Triton's interpreter). Scales are applied once per 4 or 32 values, never
-per value.
+"""Decode matmuls on GGUF weights by integer dot products, as llama.cpp's MMVQ does on CUDA: a small
+kernel quantizes x to int8 per 32 values (a float scale per 32), once per input; the GEMV reads
+the weight's quants from kernels/gguf_planes.py's column-major planes, 16 bytes (four output
+rows' words) a load, and multiplies four values at a time with `dp4a` (emulated under Triton's
+interpreter). Integer sums run per 32-value sub-block; scales are applied once per sub-block.
 
-Every type is read as sub-blocks of 32 values: 8 words per sub-block, with per word an integer
-scale and the integer offset of its quants (q - offset), and per sub-block a float multiplier of
-the integer sum and a float multiplier of x's sum (the types with a minimum). Then, per sub-block,
+Per sub-block s of output row n (x ~ dx * xq, x_sum = dx * sum(xq)):
 
-    y += d * dx * sum_t scale_t * (dot(q_t, xq_t) - offset * dot(1, xq_t)) + d_min * dx * sum(xq)
+    y[n] += d * dx * sum_r scale_r * (dot(q_r, xq_r) - offset * dot(1, xq_r)) - dm * mn * x_sum
 
-Blocks: [out_features, row_bytes] uint8 in ggml-common.h's layouts. Q8_0, Q4_0, Q5_0 and Q6_K
-blocks have sizes that are not multiples of four: their words are read as two 16-bit halves (every
-quant array starts at an even byte).
+(r the sub-block's words; scale_r 1 but for Q6_K's per-16 scales; K-quants multiply the integer
+sum by the sub-block's 6-bit scale; Q4_1 adds d_min * x_sum instead.)
 """
 
 from __future__ import annotations
@@ -26,24 +23,27 @@ from kernels.triton_gguf_blocks import (
     Q4_K,
     Q5_0,
     Q5_K,
+    Q6_K,
     Q8_0,
-    _half,
-    _k_scale_min,
-    _signed_byte,
-    check_blocks,
+    _scales,
+    _signed,
+    check_planes,
 )
 
 LOW_NIBBLES = tl.constexpr(0x0F0F0F0F)
 LOW_BITS = tl.constexpr(0x01010101)
 TWO_BITS = tl.constexpr(0x03030303)
-SUBS_PER_STEP = 16  # sub-blocks of 32 values each program reads per loop step
+SUBS_PER_STEP = 2  # sub-blocks of 32 values each program reads per loop step
+BLOCK_N = 256  # output rows per program: 4 a thread, 2 warps
+NUM_WARPS = 2
 QUANTIZE_SUBS = 16  # sub-blocks of x each program of the quantizing kernel takes
-TARGET_PROGRAMS = 132  # one wave of an H100's SMs: fewer programs split K
+TARGET_PROGRAMS = 528  # four per SM of an H100 or H200: fewer programs split K
+SPLITS_AT_ONCE = tl.constexpr(8)  # partial sums the last program of a tile loads at a time
 
 
 @triton.jit
-def _dot4(a, b, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
-    """Per element, the dot product of the four 8-bit lanes of a (unsigned, or signed when
+def _dot4(a, b, c, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
+    """Per element, c + the dot product of the four 8-bit lanes of a (unsigned, or signed when
     SIGNED_A) with the four signed 8-bit lanes of b, as int32."""
     if ASM:
         if SIGNED_A:
@@ -51,10 +51,13 @@ def _dot4(a, b, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
         else:
             op: tl.constexpr = "dp4a.u32.s32 $0, $1, $2, $3;"
         a, b = tl.broadcast(a, b)
+        c = tl.zeros_like(a) + c
+        a, c = tl.broadcast(a, c)
+        b, c = tl.broadcast(b, c)
         return tl.inline_asm_elementwise(
-            op, "=r,r,r,r", [a, b, tl.zeros_like(a)], dtype=tl.int32, is_pure=True, pack=1
+            op, "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
         )
-    total = tl.zeros_like(a + b)
+    total = c + tl.zeros_like(a + b)
     for lane in tl.static_range(4):
         a_lane = (a >> (8 * lane)) & 255
         if SIGNED_A:
@@ -65,79 +68,12 @@ def _dot4(a, b, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _word32(ptr, index, mask):
-    """The 32-bit word `index` words after ptr, which is 4-byte aligned (Q4_1, Q4_K, Q5_K blocks):
-    indices contiguous along a row let the compiler read several words in one load."""
-    return tl.load(ptr.to(tl.pointer_type(tl.int32)) + index, mask=mask, other=0)
-
-
-@triton.jit
-def _word16(ptr, index, mask):
-    """The little-endian 32-bit word of the 16-bit halves index and index + 1 after ptr, which is
-    2-byte aligned only (Q8_0, Q4_0, Q5_0, Q6_K blocks)."""
-    halves = ptr.to(tl.pointer_type(tl.uint16))
-    low = tl.load(halves + index, mask=mask, other=0).to(tl.int32)
-    high = tl.load(halves + index + 1, mask=mask, other=0).to(tl.int32)
-    return low | (high << 16)
-
-
-@triton.jit
-def _sub_block(row_ptr, sub, t, mask, QTYPE: tl.constexpr):
-    """Sub-block `sub` (32 values from value 32 * sub of the row) of rows row_ptr [N, 1, 1],
-    sub [1, S, 1], word t [1, 1, 8] -> (quants [N, S, 8] int32 words, integer scale per word,
-    integer offset of the quants, float d [N, S, 1], float d_min [N, S, 1] or 0.0)."""
-    if QTYPE >= Q4_K:
-        base = row_ptr + (sub // 8) * (144 if QTYPE == Q4_K else (176 if QTYPE == Q5_K else 210))
-        j = sub % 8
-    else:
-        base = row_ptr + sub * (18 if QTYPE == Q4_0 else (20 if QTYPE == Q4_1 else (
-            22 if QTYPE == Q5_0 else 34)))  # fmt: skip
-    d_min = 0.0
-    if QTYPE == Q8_0:
-        quants, scale, offset = _word16(base, 1 + 2 * t, mask), 1, 0
-        d = _half(base, 0, mask)
-    elif QTYPE == Q4_0 or QTYPE == Q4_1:
-        if QTYPE == Q4_0:
-            packed = _word16(base, 1 + 2 * (t % 4), mask)
-        else:
-            packed = _word32(base, 1 + t % 4, mask)
-        quants, scale = (packed >> (4 * (t // 4))) & LOW_NIBBLES, 1
-        offset = 8 if QTYPE == Q4_0 else 0
-        d = _half(base, 0, mask)
-        if QTYPE == Q4_1:
-            d_min = _half(base, 2, mask)
-    elif QTYPE == Q5_0:
-        packed = _word16(base, 3 + 2 * (t % 4), mask)
-        high_bits = (_word16(base, 1, mask) >> (4 * t)) & 15  # bit p -> lane p's bit 4 below
-        high = ((high_bits * 0x00204081) & LOW_BITS) << 4
-        quants, scale, offset = ((packed >> (4 * (t // 4))) & LOW_NIBBLES) | high, 1, 16
-        d = _half(base, 0, mask)
-    elif QTYPE == Q4_K or QTYPE == Q5_K:
-        quants_at = 4 if QTYPE == Q4_K else 12  # words
-        packed = _word32(base, quants_at + (j // 2) * 8 + t, mask)
-        quants = (packed >> (4 * (j % 2))) & LOW_NIBBLES
-        if QTYPE == Q5_K:
-            quants |= ((_word32(base, 4 + t, mask) >> j) & LOW_BITS) << 4
-        scale, minimum = _k_scale_min(base + 4, j, mask)
-        offset = 0
-        d = _half(base, 0, mask)
-        d_min = -_half(base, 2, mask) * minimum.to(tl.float32)
-    else:  # Q6_K: 128-value halves n; in each, four 32-value rows r of 4-bit low and 2-bit high
-        n, r = j // 4, j % 4
-        low = (_word16(base, 32 * n + (r % 2) * 16 + 2 * t, mask) >> (4 * (r // 2))) & LOW_NIBBLES
-        high = (_word16(base, 64 + 16 * n + 2 * t, mask) >> (2 * r)) & TWO_BITS
-        quants, offset = low | (high << 4), 32
-        scale = _signed_byte(base, 192 + 8 * n + 2 * r + t // 4, mask)
-        d = _half(base, 208, mask)
-    return quants, scale, offset, d, d_min
-
-
-@triton.jit
-def _quantize_x_kernel(x_ptr, words_ptr, scales_ptr, x_stride, num_rows, in_features,
+def _quantize_x_kernel(x_ptr, words_ptr, scales_ptr, x_stride, num_rows, in_features, num_subs,
                        SUBS: tl.constexpr):  # fmt: skip
     # program (row, s): x's sub-blocks s * SUBS .. + SUBS of one row -> words [rows, subs * 8]
-    # int32 of four int8 xq, scales [2, rows, subs]: dx (x ~ dx * xq) and dx * sum of xq
-    row, num_subs = tl.program_id(0), in_features // 32
+    # int32 of four int8 xq, scales [2, rows, subs]: dx (x ~ dx * xq) and dx * sum of xq;
+    # num_subs may pass in_features / 32 (padding: zero words and scales)
+    row = tl.program_id(0)
     subs = tl.program_id(1) * SUBS + tl.arange(0, SUBS)[:, None, None]
     words = tl.arange(0, 8)[None, :, None]
     lanes = tl.arange(0, 4)[None, None, :]
@@ -158,85 +94,210 @@ def _quantize_x_kernel(x_ptr, words_ptr, scales_ptr, x_stride, num_rows, in_feat
 
 
 @triton.jit
+def _weight_words(qs_ptr, qh_ptr, sm_ptr, first, s, r, n, columns, QTYPE: tl.constexpr):
+    """Sub-blocks s [S, 1, 1] (from `first`), words r [1, R, 1] of output rows n [1, 1, N]: the
+    codes as two [S, R, N] words of four 8-bit lanes (low: values 8r .. 8r + 3 of the
+    sub-block; high: 8r + 4 ..; Q8_0: one word of signed bytes 4r .., high unused), and Q6_K's
+    scale of each word's 16 values (else 1)."""
+    if QTYPE == Q8_0:
+        w = tl.load(qs_ptr + ((first + s) * 8 + r) * columns + n)
+        return w, w, 1
+    w = tl.load(qs_ptr + ((first + s) * 4 + r) * columns + n)
+    low, high = w & LOW_NIBBLES, (w >> 4) & LOW_NIBBLES
+    scale = 1
+    if QTYPE == Q5_0 or QTYPE == Q5_K:
+        bits = tl.load(qh_ptr + (first + s) * columns + n)  # [S, 1, N]
+        low |= ((bits >> (2 * r)) & LOW_BITS) << 4
+        high |= ((bits >> (2 * r + 1)) & LOW_BITS) << 4
+    if QTYPE == Q6_K:
+        t = (first + s) * 2 + r // 2  # 16 values t: 4 bits more in word t, scale byte t % 4
+        bits = tl.load(qh_ptr + t * columns + n)
+        low |= ((bits >> (4 * (r % 2))) & TWO_BITS) << 4
+        high |= ((bits >> (4 * (r % 2) + 2)) & TWO_BITS) << 4
+        packed = tl.load(sm_ptr + (t // 4) * columns + n)
+        scale = _signed((packed >> (8 * (t % 4))) & 255)
+    return low, high, scale
+
+
+@triton.jit
+def _row_step(words_ptr, scales_ptr, row, low, high, word_scale, d, scale, min_term, first, s,
+              r, num_rows, num_subs, QTYPE: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """What the step's sub-blocks add to x row `row`'s sums [S, 1, N] (float32)."""
+    x_words = words_ptr + (row * num_subs + first + s) * 8  # [S, 1, 1]
+    if QTYPE == Q8_0:
+        dots = _dot4(low, tl.load(x_words + r), 0, True, ASM)
+    else:
+        x_low = tl.load(x_words + 2 * r)  # [S, R, 1]
+        x_high = tl.load(x_words + 2 * r + 1)
+        dots = _dot4(high, x_high, _dot4(low, x_low, 0, False, ASM), False, ASM)
+        if QTYPE == Q4_0 or QTYPE == Q5_0 or QTYPE == Q6_K:
+            offset: tl.constexpr = 8 if QTYPE == Q4_0 else (16 if QTYPE == Q5_0 else 32)
+            ones = tl.full([1, 1, 1], 0x01010101, tl.int32)
+            x_sum = _dot4(ones, x_high, _dot4(ones, x_low, 0, False, ASM), False, ASM)
+            dots -= offset * x_sum
+    sums = tl.sum(dots * word_scale, axis=1, keep_dims=True)  # [S, 1, N]
+    at = row * num_subs + first + s
+    step = (sums * scale).to(tl.float32) * (d * tl.load(scales_ptr + at))
+    if QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q5_K:
+        step -= min_term * tl.load(scales_ptr + num_rows * num_subs + at)
+    return step
+
+
+@triton.jit
 def _dot_kernel(
-    words_ptr,
-    scales_ptr,
-    blocks_ptr,
-    out_ptr,
-    num_rows,
-    out_features,
-    in_features,
-    row_bytes,
-    subs_per_split,  # a multiple of SUBS
+    words_ptr, scales_ptr, qs_ptr, qh_ptr, sm_ptr, d_ptr, out_ptr, partial_ptr, counter_ptr,
+    num_rows, out_features, columns, num_subs,  # num_subs: the planes' padded count
+    subs_per_split, num_splits,  # subs_per_split: a multiple of SUBS
     QTYPE: tl.constexpr,
-    ROWS: tl.constexpr,  # next power of two >= num_rows
-    BLOCK_N: tl.constexpr,
-    SUBS: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    # out [num_splits, num_rows, out_features] (float32 partial sums, or x's dtype for one split).
-    # Sums stay per thread until the loop ends: no reduction across threads inside it.
+    ROWS: tl.constexpr,  # x's rows, at most 4
+    BLOCK_N: tl.constexpr, SUBS: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    # out [num_rows, out_features] in x's dtype. Split along K (num_splits > 1), a program
+    # writes float32 sums to partial [num_splits, num_rows, out_features] and the last of a
+    # tile's programs to count itself in counter_ptr[tile] adds them up (and zeroes the count).
+    # Tiles [S, R, N]: S sub-blocks, their R words (a thread holds all), N output rows (4 a
+    # thread: 16-byte loads). No masks: planes and x are padded along K, planes along N. A row
+    # of x keeps sums of its own until the loop ends.
     split = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows
-    row_ptr = blocks_ptr + cols[:, None, None].to(tl.int64) * row_bytes
-    t = tl.arange(0, 8)[None, None, :]
-    rows = tl.arange(0, ROWS)[:, None, None]
-    num_subs = in_features // 32
-    acc = tl.zeros([ROWS, BLOCK_N, SUBS, 8], dtype=tl.float32)
-    acc_min = tl.zeros([ROWS, BLOCK_N, SUBS], dtype=tl.float32)
-    for s0 in range(0, subs_per_split, SUBS):
-        subs = split * subs_per_split + s0 + tl.arange(0, SUBS)[None, :, None]  # [1, S, 1]
-        mask = (cols[:, None, None] < out_features) & (subs < num_subs)
-        quants, scale, offset, d, d_min = _sub_block(row_ptr, subs, t, mask, QTYPE)
-        x_mask = (rows < num_rows) & (subs < num_subs)  # [ROWS, S, 1]
-        xq = tl.load(words_ptr + (rows * num_subs + subs) * 8 + t, mask=x_mask, other=0)
-        at = rows * num_subs + subs
-        dx = tl.load(scales_ptr + at, mask=x_mask, other=0.0)  # [ROWS, S, 1]
-        dots = _dot4(quants[None], xq[:, None], QTYPE == Q8_0, ASM)  # [ROWS, N, S, 8]
-        if offset != 0:
-            ones = tl.full([1, 1, 8], 0x01010101, tl.int32)
-            dots -= offset * _dot4(ones, xq, False, ASM)[:, None]
-        acc += (d[None] * dx[:, None]) * (dots * scale).to(tl.float32)
-        if QTYPE == Q4_1 or QTYPE == Q4_K or QTYPE == Q5_K:
-            x_sum = tl.load(scales_ptr + num_rows * num_subs + at, mask=x_mask, other=0.0)
-            acc_min += (d_min[None] * x_sum[:, None]).reshape(ROWS, BLOCK_N, SUBS)
-    total = tl.sum(tl.sum(acc, axis=3), axis=2) + tl.sum(acc_min, axis=2)  # [ROWS, N]
-    out_rows = tl.arange(0, ROWS)[:, None]
-    offsets = (split * num_rows + out_rows).to(tl.int64) * out_features + cols[None, :]
-    out_mask = (out_rows < num_rows) & (cols[None, :] < out_features)
-    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = cols[None, None, :]  # [1, 1, N]
+    s = tl.arange(0, SUBS)[:, None, None]
+    r = tl.arange(0, 8 if QTYPE == Q8_0 else 4)[None, :, None]
+    acc0 = tl.zeros([SUBS, 1, BLOCK_N], dtype=tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    count = tl.minimum(subs_per_split, num_subs - split * subs_per_split)
+    for s0 in range(0, count, SUBS):
+        first = split * subs_per_split + s0
+        low, high, word_scale = _weight_words(qs_ptr, qh_ptr, sm_ptr, first, s, r, n, columns,
+                                              QTYPE)  # fmt: skip
+        d, scale, minimum, d_min = _scales(sm_ptr, d_ptr, first + s, n, columns, None, QTYPE)
+        min_term = 0.0
+        if QTYPE == Q4_1:
+            min_term = -d_min
+        if QTYPE == Q4_K or QTYPE == Q5_K:
+            min_term = d_min * minimum.to(tl.float32)
+        acc0 += _row_step(words_ptr, scales_ptr, 0, low, high, word_scale, d, scale, min_term,
+                          first, s, r, num_rows, num_subs, QTYPE, ASM)  # fmt: skip
+        if ROWS > 1:
+            acc1 += _row_step(words_ptr, scales_ptr, 1, low, high, word_scale, d, scale,
+                              min_term, first, s, r, num_rows, num_subs, QTYPE, ASM)  # fmt: skip
+        if ROWS > 2:
+            acc2 += _row_step(words_ptr, scales_ptr, 2, low, high, word_scale, d, scale,
+                              min_term, first, s, r, num_rows, num_subs, QTYPE, ASM)  # fmt: skip
+            acc3 += _row_step(words_ptr, scales_ptr, 3, low, high, word_scale, d, scale,
+                              min_term, first, s, r, num_rows, num_subs, QTYPE, ASM)  # fmt: skip
+    if num_splits == 1:
+        _store_rows(out_ptr, n, out_features, num_rows, acc0, acc1, acc2, acc3, ROWS)
+    else:
+        at = partial_ptr + split * num_rows * out_features
+        _store_rows(at, n, out_features, num_rows, acc0, acc1, acc2, acc3, ROWS)
+        tl.debug_barrier()  # every thread's partial sums stored before the count
+        tile = tl.program_id(0)
+        if tl.atomic_add(counter_ptr + tile, 1) == num_splits - 1:  # acq_rel, GPU scope
+            _sum_splits(partial_ptr, out_ptr, n, out_features, num_rows, num_splits, ROWS)
+            tl.atomic_xchg(counter_ptr + tile, 0)
+
+
+@triton.jit
+def _store_rows(out_ptr, n, out_features, num_rows, acc0, acc1, acc2, acc3, ROWS: tl.constexpr):
+    """Rows [num_rows, out_features] at out_ptr, columns n [1, 1, N], of the sums acc* [S, 1, N]
+    (a sum over S left)."""
+    in_row = n < out_features
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + n, tl.sum(acc0, axis=0, keep_dims=True).to(dtype), mask=in_row)
+    for row in tl.static_range(1, ROWS):
+        acc = acc1 if row == 1 else (acc2 if row == 2 else acc3)
+        if row < num_rows:
+            total = tl.sum(acc, axis=0, keep_dims=True).to(dtype)
+            tl.store(out_ptr + row * out_features + n, total, mask=in_row)
+
+
+@triton.jit
+def _sum_splits(partial_ptr, out_ptr, n, out_features, num_rows, num_splits, ROWS: tl.constexpr):
+    """out rows = the sum over splits of partial [num_splits, num_rows, out_features], columns n
+    [1, 1, N]: SPLITS_AT_ONCE loads in flight at a time, read past L1 (other SMs wrote them)."""
+    in_row = n < out_features
+    splits = tl.arange(0, SPLITS_AT_ONCE)[:, None, None]
+    for row in tl.static_range(ROWS):
+        if row < num_rows:
+            total = tl.zeros(n.shape, dtype=tl.float32)
+            for first in range(0, num_splits, SPLITS_AT_ONCE):
+                split = first + splits
+                at = partial_ptr + (split * num_rows + row) * out_features + n
+                parts = tl.load(at, mask=in_row & (split < num_splits), other=0.0,
+                                cache_modifier=".cg")  # fmt: skip
+                total += tl.sum(parts, axis=0, keep_dims=True)
+            tl.store(out_ptr + row * out_features + n, total.to(out_ptr.dtype.element_ty),
+                     mask=in_row)  # fmt: skip
+
+
+def quantize_x(x):
+    """x [rows, in_features] -> (words [rows, in/4] int32 of four int8 each, scales [2, rows,
+    in/32] float32: dx and dx * sum of the sub-block's xq): what gguf_dot reads."""
+    import torch
+
+    from kernels.gguf_planes import K_ALIGN
+
+    assert x.stride(1) == 1 and x.shape[1] % 32 == 0
+    num_rows, num_subs = x.shape[0], triton.cdiv(x.shape[1], K_ALIGN) * K_ALIGN // 32
+    words = torch.empty(num_rows, num_subs * 8, dtype=torch.int32, device=x.device)
+    scales = torch.empty(2, num_rows, num_subs, dtype=torch.float32, device=x.device)
+    if num_rows:
+        _quantize_x_kernel[(num_rows, triton.cdiv(num_subs, QUANTIZE_SUBS))](
+            x, words, scales, x.stride(0), num_rows, x.shape[1], num_subs, SUBS=QUANTIZE_SUBS
+        )
+    return words, scales
 
 
 def gguf_dot(
-    x, blocks, ggml_type, out_features, in_features, num_splits=None, asm=True,
-    block_n=4, subs=SUBS_PER_STEP, num_warps=2,
+    x, planes, num_splits=None, asm=True, block_n=BLOCK_N, subs=SUBS_PER_STEP,
+    num_warps=NUM_WARPS, quantized=None, target_programs=TARGET_PROGRAMS,
 ):  # fmt: skip
-    """x [rows <= 16, in_features] @ W^T -> [rows, out_features] in x's dtype, by int8 dot
-    products (x quantized per 32 values). num_splits None: enough programs to fill the GPU; asm
-    False: dp4a emulated (Triton's interpreter cannot run inline assembly). A program reads
-    block_n weight rows, subs sub-blocks of 32 values per loop step."""
+    """x [rows <= 4, in_features] @ W^T -> [rows, out_features] in x's dtype, W the Planes of
+    kernels/gguf_planes.py, by int8 dot products (x quantized per 32 values, or `quantized`, what
+    quantize_x made of x). num_splits None: enough programs to fill the GPU; asm False: dp4a
+    emulated (Triton's interpreter cannot run inline assembly). A program reads block_n output
+    rows, subs sub-blocks of 32 values per loop step."""
     import torch
 
-    check_blocks(blocks, ggml_type, out_features, in_features)
+    check_planes(planes)
+    out_features, in_features = planes.out_features, planes.in_features
     if x.shape[0] == 0:
         return x.new_empty(0, out_features)
-    assert x.shape[1] == in_features and x.stride(1) == 1 and x.shape[0] <= 16
-    num_rows, num_subs = x.shape[0], in_features // 32
-    words = torch.empty(num_rows, num_subs * 8, dtype=torch.int32, device=x.device)
-    scales = torch.empty(2, num_rows, num_subs, dtype=torch.float32, device=x.device)
-    _quantize_x_kernel[(num_rows, triton.cdiv(num_subs, QUANTIZE_SUBS))](
-        x, words, scales, x.stride(0), num_rows, in_features, SUBS=QUANTIZE_SUBS
-    )
+    assert x.shape[1] == in_features and x.shape[0] <= 4
+    words, scales = quantized if quantized is not None else quantize_x(x)
+    num_rows, num_subs = x.shape[0], planes.padded_subs
+    assert planes.columns % block_n == 0 and 4 % subs == 0  # no load passes the padding
     num_tiles, num_steps = triton.cdiv(out_features, block_n), triton.cdiv(num_subs, subs)
     if num_splits is None:
-        num_splits = triton.cdiv(TARGET_PROGRAMS, num_tiles)
+        num_splits = triton.cdiv(target_programs, num_tiles)
     steps_per_split = triton.cdiv(num_steps, max(1, min(num_splits, num_steps)))
     num_splits = triton.cdiv(num_steps, steps_per_split)
-    out_dtype = x.dtype if num_splits == 1 else torch.float32
-    out = torch.empty(num_splits, num_rows, out_features, device=x.device, dtype=out_dtype)
+    out = torch.empty(num_rows, out_features, device=x.device, dtype=x.dtype)
+    partial = out
+    if num_splits > 1:
+        partial = torch.empty(num_splits, num_rows, out_features, device=x.device,
+                              dtype=torch.float32)  # fmt: skip
     _dot_kernel[(num_tiles, num_splits)](
-        words, scales, blocks, out, num_rows, out_features, in_features, blocks.stride(0),
-        steps_per_split * subs, QTYPE=int(ggml_type), ROWS=triton.next_power_of_2(num_rows),
-        BLOCK_N=block_n, SUBS=subs, ASM=asm, num_warps=num_warps,
+        words, scales, *planes.pointers(), out, partial, _split_counters(x.device, num_tiles),
+        num_rows, out_features, planes.columns, num_subs, steps_per_split * subs, num_splits,
+        QTYPE=int(planes.qtype), ROWS=triton.next_power_of_2(num_rows), BLOCK_N=block_n,
+        SUBS=subs, ASM=asm, num_warps=num_warps,
     )  # fmt: skip
-    return out[0] if num_splits == 1 else out.sum(0).to(x.dtype)
+    return out
+
+
+_COUNTERS: dict = {}
+
+
+def _split_counters(device, num_tiles: int):
+    """Zeroed int32 counts, one per output tile, that every GEMV on `device` shares (launches on
+    one stream never overlap, and each leaves them at zero). Allocated the first time (a warm-up
+    before any CUDA graph capture) and kept."""
+    import torch
+
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < num_tiles:
+        counters = torch.zeros(max(num_tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters

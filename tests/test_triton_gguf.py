@@ -1,4 +1,5 @@
-"""kernels/triton_gguf.py against its oracle: gguf-py's dequantize, then a float64 matmul.
+"""kernels/triton_gguf.py against its oracle: gguf-py's dequantize, then a float64 matmul, on the
+planes kernels/gguf_planes.py repacks the blocks into.
 
 Weights: gguf-py's quantize of random floats for the types it makes, random blocks with finite
 scales for the K-quants (random bits reach every code path), real tensors from the files (slow).
@@ -24,6 +25,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kernels import triton_gguf, triton_gguf_dot  # noqa: E402
+from kernels.gguf_planes import plane_nbytes, repack  # noqa: E402
 from runtime.models import quant  # noqa: E402
 from runtime.models.quant import random_blocks  # noqa: E402
 
@@ -49,12 +51,13 @@ def oracle(blocks: np.ndarray, qtype) -> torch.Tensor:
 
 
 def inputs(qtype, rows: int, out_features: int, num_blocks: int, dtype, seed: int):
-    """(x [rows, in] in dtype, blocks on DEVICE, the oracle weight, in_features)."""
+    """(x [rows, in] in dtype, the weight's planes on DEVICE, the oracle weight)."""
     rng = np.random.default_rng(seed)
     in_features = gguf.GGML_QUANT_SIZES[qtype][0] * num_blocks
     blocks = quantized(qtype, out_features, in_features, rng)
     x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32))
-    return x.to(DEVICE, dtype), torch.from_numpy(blocks).to(DEVICE), oracle(blocks, qtype)
+    planes = repack(torch.from_numpy(blocks).to(DEVICE), qtype, in_features)
+    return x.to(DEVICE, dtype), planes, oracle(blocks, qtype)
 
 
 def assert_matches(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -66,13 +69,23 @@ def assert_matches(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> No
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantize_is_gguf_py_bit_for_bit(qtype):
+    """Random bits in every field: the repacked planes hold every value of the blocks."""
     rng = np.random.default_rng(int(qtype))
     in_features = gguf.GGML_QUANT_SIZES[qtype][0] * 3
     blocks = random_blocks(qtype, 37, in_features, rng)
-    values = triton_gguf.gguf_dequantize(
-        torch.from_numpy(blocks).to(DEVICE), qtype, in_features, torch.float32
-    )
+    planes = repack(torch.from_numpy(blocks).to(DEVICE), qtype, in_features)
+    values = triton_gguf.gguf_dequantize(planes, torch.float32)
     torch.testing.assert_close(values.cpu().double(), oracle(blocks, qtype), atol=0, rtol=0)
+    ids = torch.tensor([36, 0, 5, 5], device=DEVICE)  # an embedding lookup picks rows
+    picked = triton_gguf.gguf_dequantize(planes, torch.float32, ids).cpu().double()
+    torch.testing.assert_close(picked, oracle(blocks, qtype)[ids.cpu()], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_planes_take_the_files_bytes_and_at_most_3_percent_more(qtype):
+    in_features = 256 * 6
+    file_bytes = 512 * quant.row_bytes(qtype, in_features)
+    assert file_bytes <= plane_nbytes(qtype, 512, in_features) <= 1.03 * file_bytes
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -82,8 +95,8 @@ def test_dequantize_is_gguf_py_bit_for_bit(qtype):
 )
 def test_tiled_kernel_is_the_oracle(qtype, rows, out_features, dtype):
     num_blocks = 3 if qtype in QUANTIZABLE else 2
-    x, blocks, weight = inputs(qtype, rows, out_features, num_blocks, dtype, seed=rows)
-    y = triton_gguf.gguf_tiled(x, blocks, qtype, out_features, x.shape[1])
+    x, planes, weight = inputs(qtype, rows, out_features, num_blocks, dtype, seed=rows)
+    y = triton_gguf.gguf_tiled(x, planes)
     assert_matches(y, x, weight)
 
 
@@ -94,8 +107,8 @@ def test_matmul_picks_the_integer_dot_for_few_rows(rows, monkeypatch):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **kw: (
             called.append(name), real(*a, **kw))[1])  # fmt: skip
-    x, blocks, weight = inputs(Q.Q8_0, rows, 20, 2, torch.float32, seed=rows)
-    y = triton_gguf.gguf_matmul(x, blocks, Q.Q8_0, 20, 64)
+    x, planes, weight = inputs(Q.Q8_0, rows, 20, 2, torch.float32, seed=rows)
+    y = triton_gguf.gguf_matmul(x, planes)
     assert called == ["gguf_dot" if rows <= triton_gguf.GEMV_ROWS else "gguf_tiled"]
     if rows > triton_gguf.GEMV_ROWS:
         assert_matches(y, x, weight)
@@ -115,8 +128,8 @@ def test_kernel_types_per_device(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", (Q.Q4_0, Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
 def test_512_rows_and_a_wider_weight(qtype):
-    x, blocks, weight = inputs(qtype, 512, 130, 4, torch.bfloat16, seed=512)
-    assert_matches(triton_gguf.gguf_matmul(x, blocks, qtype, 130, x.shape[1]), x, weight)
+    x, planes, weight = inputs(qtype, 512, 130, 4, torch.bfloat16, seed=512)
+    assert_matches(triton_gguf.gguf_matmul(x, planes), x, weight)
 
 
 @pytest.mark.slow
@@ -134,11 +147,10 @@ def test_real_tensors_of_every_type_in_the_file(model):
         blocks = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)[:40]  # 40 rows
         x = torch.randn(3, int(tensor.shape[0]), generator=torch.Generator().manual_seed(1))
         x = x.to(DEVICE)
+        planes = repack(torch.from_numpy(blocks.copy()).to(DEVICE), tensor.tensor_type,
+                        int(tensor.shape[0]))  # fmt: skip
         for rows in (x, x.repeat(6, 1)):  # integer dots (x quantized to int8), tiled
-            y = triton_gguf.gguf_matmul(
-                rows, torch.from_numpy(blocks.copy()).to(DEVICE), tensor.tensor_type, 40,
-                rows.shape[1],
-            )  # fmt: skip
+            y = triton_gguf.gguf_matmul(rows, planes)
             if rows.shape[0] <= triton_gguf.GEMV_ROWS:
                 y, rows = y.to(torch.bfloat16), rows.to(torch.bfloat16)
             assert_matches(y, rows, oracle(blocks, tensor.tensor_type))
@@ -150,15 +162,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import triton_gguf as g
-from kernels.triton_gguf_blocks import BLOCK_SHAPES
-ints = dict.fromkeys(("num_rows", "out_features", "in_features", "x_stride", "row_bytes"), "i32")
+from kernels.triton_gguf_blocks import TYPES
+ints = dict.fromkeys(("num_rows", "out_features", "in_features", "x_stride", "columns"), "i32")
+planes = {"qs_ptr": "*i32", "qh_ptr": "*i32", "sm_ptr": "*i32", "d_ptr": "*i32"}
 kernels = [
-    (g._tiled_kernel, {"x_ptr": "*bf16", "blocks_ptr": "*u8", "out_ptr": "*bf16", **ints},
+    (g._tiled_kernel, {"x_ptr": "*bf16", **planes, "out_ptr": "*bf16", **ints},
      dict(DOT_FP32=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), 8),
-    (g._dequantize_kernel, {"blocks_ptr": "*u8", "out_ptr": "*bf16", "num_rows": "i32",
-     "in_features": "i32", "row_bytes": "i32"}, dict(BLOCK_N=32, BLOCK_K=64), 4),
+    (g._dequantize_kernel, {**planes, "ids_ptr": "*i64", "out_ptr": "*bf16", "num_ids": "i32",
+     "in_features": "i32", "columns": "i32"}, dict(BLOCK_N=32, BLOCK_K=64), 4),
 ]
-for qtype in BLOCK_SHAPES:
+for qtype in TYPES:
     for fn, signature, constants, num_warps in kernels:
         constants = {**constants, "QTYPE": qtype}
         signature = {**signature, **dict.fromkeys(constants, "constexpr")}

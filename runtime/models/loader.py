@@ -15,7 +15,7 @@ from runtime.models.config import ModelConfig
 from runtime.models.families import model_class_for
 from runtime.models.gguf_model import quantizable_tensors
 from runtime.models.layers import can_pack
-from runtime.models.quant import FLOAT_TYPES, quantized_kernel_types
+from runtime.models.quant import FLOAT_TYPES, quantized_kernel_types, repack_for_gpu
 from runtime.models.source import (  # noqa: F401 (the names callers know this module by)
     ModelNotFoundError,
     ModelSource,
@@ -45,6 +45,8 @@ def load_model(
         kept = module.quantize(_quantizable(source, device, quantization), dtype)
     module = module.to_empty(device=device).to(dtype)
     module.load_weights(source.weights(dtype, kept))
+    if device.type == "cuda":
+        repack_for_gpu(module)
     module.build_rope(device)
     if not module.output_is_quantized:
         module.greedy_projection = native.greedy_projection_for(device, dtype)

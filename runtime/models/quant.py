@@ -151,6 +151,16 @@ def _triton_gguf():
     return triton_gguf
 
 
+def gemv_input(rows: torch.Tensor):
+    """On CUDA, rows quantized once for every part of a projection that the integer-dot GEMV
+    multiplies (kernels/triton_gguf_dot.py); None where the tiled kernel takes them."""
+    if rows.shape[0] > _triton_gguf().GEMV_ROWS:
+        return None
+    from kernels.triton_gguf_dot import quantize_x
+
+    return quantize_x(rows)
+
+
 class QuantizedSpec(NamedTuple):
     """What a quantized weight will be, before its blocks are read."""
 
@@ -169,7 +179,8 @@ def row_bytes(ggml_type, in_features: int) -> int:
 class QuantizedWeight(nn.Module):
     """The blocks, their type and the float shape [out_features, in_features] they stand for.
     blocks None: an empty buffer of the right size (on the default device: meta while the model
-    is built), filled later by load_rows."""
+    is built), filled later by load_rows. On CUDA the GPU kernels read kernels/gguf_planes.py's
+    planes instead, made from the blocks once they are loaded (`gpu_planes`)."""
 
     def __init__(self, blocks, ggml_type, out_features: int, in_features: int):
         super().__init__()
@@ -185,16 +196,30 @@ class QuantizedWeight(nn.Module):
                 f"{tuple(raw.shape)} bytes do not hold [{out_features}, {in_features}]"
             )
         self.register_buffer("blocks", raw, persistent=False)
+        self.planes = None
 
     @property
     def weight_nbytes(self) -> int:
-        return self.blocks.numel()
+        return self.blocks.numel() if self.planes is None else self.planes.data.nbytes
 
     def __call__(self, *args):  # layers.StepModule's: called in every layer of every step
         return self.forward(*args)
 
     def load_rows(self, start: int, blocks: torch.Tensor) -> None:
         self.blocks[start : start + blocks.shape[0]].copy_(blocks)
+
+    def gpu_planes(self):
+        """The planes the GPU kernels read, repacked from the blocks on first use (the loader
+        asks once every weight is loaded); the blocks are dropped then."""
+        if self.planes is None:
+            from kernels.gguf_planes import repack
+
+            self.planes = repack(self.blocks, self.ggml_type, self.in_features)
+            self.blocks = self.blocks.new_empty(0, self.blocks.shape[1])
+        return self.planes
+
+    def _on_gpu(self) -> bool:
+        return self.blocks.is_cuda and self.ggml_type in TRITON_TYPES
 
     def _native(self):
         if self.blocks.device.type != "cpu" or self.ggml_type not in NATIVE_TYPES:
@@ -203,14 +228,16 @@ class QuantizedWeight(nn.Module):
 
     def dequantize(self, rows: slice = slice(None), dtype=torch.float32) -> torch.Tensor:
         """[len(rows), in_features] in dtype of the given output rows (all by default)."""
+        if self._on_gpu():
+            ids = torch.arange(self.out_features, device=self.blocks.device)[rows]
+            return _triton_gguf().gguf_dequantize(self.gpu_planes(), dtype, ids)
         return _dequantize_blocks(self, self.blocks[rows], dtype)
 
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [n, in_features] -> [n, out_features] in rows' dtype."""
-        if self.blocks.is_cuda and self.ggml_type in TRITON_TYPES:
-            return _triton_gguf().gguf_matmul(
-                rows, self.blocks, self.ggml_type, self.out_features, self.in_features
-            )
+    def matmul(self, rows: torch.Tensor, quantized=None) -> torch.Tensor:
+        """rows [n, in_features] -> [n, out_features] in rows' dtype. quantized: on CUDA, what
+        gemv_input made of rows (shared by the parts of a projection)."""
+        if self._on_gpu():
+            return _triton_gguf().gguf_matmul(rows, self.gpu_planes(), quantized)
         ops = self._native()
         if ops is not None and few_rows_step(rows.shape[0], rows.dtype):
             kernel = ops.quant_dot if integer_dots() else ops.quant_matmul
@@ -285,13 +312,21 @@ class ConcatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = torch.cat([part.matmul(rows) for part in self.parts], dim=-1)
+        quantized = gemv_input(rows) if self.parts[0]._on_gpu() else None
+        y = torch.cat([part.matmul(rows, quantized) for part in self.parts], dim=-1)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def load_part(self, part: int, tensor: QuantizedTensor) -> None:
         self.parts[part].load_rows(0, tensor.blocks)
+
+
+def repack_for_gpu(module: nn.Module) -> None:
+    """Every quantized weight of module on CUDA into the GPU kernels' planes, once loaded."""
+    for weight in module.modules():
+        if isinstance(weight, QuantizedWeight) and weight._on_gpu():
+            weight.gpu_planes()
 
 
 def quantized_projection(parts: list[tuple[Q, int]], in_features: int, bias: bool) -> nn.Module:
@@ -322,9 +357,9 @@ class QuantizedEmbedding(QuantizedWeight):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if flat.is_cuda:  # no host sync (CUDA graphs capture it): ids checked as nn.Embedding's
-            picked = self.blocks.index_select(0, flat)
-            return _dequantize_blocks(self, picked, self.dtype).reshape(*ids.shape, -1)
+        if flat.is_cuda:  # no host sync (CUDA graphs capture it)
+            values = _triton_gguf().gguf_dequantize(self.gpu_planes(), self.dtype, flat)
+            return values.reshape(*ids.shape, self.in_features)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
             raise IndexError(f"token id out of range [0, {self.out_features})")
         unique, inverse = torch.unique(flat, return_inverse=True)
@@ -339,9 +374,7 @@ class QuantizedEmbedding(QuantizedWeight):
 def _dequantize_blocks(
     weight: QuantizedWeight, picked: torch.Tensor, dtype=torch.float32
 ) -> torch.Tensor:
-    """[len(picked), in_features] in dtype of picked rows of weight's blocks."""
-    if picked.is_cuda and weight.ggml_type in TRITON_TYPES:
-        return _triton_gguf().gguf_dequantize(picked, weight.ggml_type, weight.in_features, dtype)
+    """[len(picked), in_features] in dtype of picked rows of weight's blocks (on the CPU)."""
     ops = weight._native()
     shape = (int(weight.ggml_type), picked.shape[0], weight.in_features)
     if ops is not None and dtype in (torch.float32, torch.bfloat16) and vector_dequantize():
