@@ -92,6 +92,26 @@ def test_integer_dot_is_the_oracle_on_int8_rounded_activations(qtype, rows, dtyp
         torch.testing.assert_close(got, exact, atol=1e-4 * scale, rtol=1e-4)
 
 
+@pytest.mark.skipif(not quant.integer_dots(), reason="quant_dot needs x86 with AVX2")
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [True, False], ids=["two-terms", "one-term"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype, dtype, residual):
+    """A verify of k drafts runs k + 1 rows in one call (AVX-512: two rows an instruction): each
+    row must come out bit for bit as it does alone, as a plain decode step computes it."""
+    rng = np.random.default_rng(int(qtype) + 5)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    out_features, in_features = 19, block * (3 if block == 32 else 2)
+    blocks = torch.from_numpy(quantized(qtype, out_features, in_features, rng).copy())
+    x = torch.from_numpy(rng.standard_normal((13, in_features)).astype(np.float32)).to(dtype)
+    ops = native.native_ops()
+    alone = torch.cat([ops.quant_dot(x[i : i + 1], blocks, int(qtype), out_features, in_features,
+                                     residual) for i in range(13)])  # fmt: skip
+    for rows in (2, 3, 5, 6, 7, 13):
+        together = ops.quant_dot(x[:rows], blocks, int(qtype), out_features, in_features, residual)
+        assert torch.equal(together, alone[:rows]), rows
+
+
 @pytest.mark.skipif(not quant.bf16_tiles(), reason="quant_gemm needs AVX-512 BF16 and no AMX")
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4, 7, 33])

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -36,7 +37,16 @@ namespace {
 #ifdef CONVEYOR_GGUF_BLOCKS
 using namespace conveyor_gguf;
 
-constexpr int kMaxRows = 4;  // rows of x sharing one unpacked weight sub-block
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// Two rows of x in one 512-bit operand: the weight codes broadcast to both halves, each half's
+// lanes computed as the 256-bit path computes one row's (so a row's result does not depend on
+// the rows beside it). A verify of k drafts (k + 1 rows of one sequence) costs about half what
+// it costs row by row.
+#define CONVEYOR_ROW_PAIRS 1
+constexpr int kMaxRows = 6;  // rows of x sharing one unpacked weight sub-block
+#else
+constexpr int kMaxRows = 4;
+#endif
 
 // x quantized per block of 32 in two terms, x ~ d * codes + d / 256 * residual codes: the second
 // term brings the activations' error near float32's (residual off: one term, as llama.cpp's Q8
@@ -47,6 +57,9 @@ struct QuantizedRows {
   std::vector<int8_t> codes, residual_codes;  // [rows, in]
   std::vector<float> dot_scales;              // [rows, in / 32]: d, or d / 256 with residual
   std::vector<float> lane_sums;               // [rows, in / 32, 8]
+  // the same for rows 2p, 2p + 1 side by side (pair_rows)
+  std::vector<int8_t> pair_codes, pair_residual_codes;  // [rows / 2, in / 32, 64]
+  std::vector<float> pair_scales, pair_lane_sums;        // [rows / 2, in / 32, 16]
 };
 
 // 32 values to codes in [-127, 127]; returns the scale
@@ -86,6 +99,27 @@ void quantize_blocks(const T* x, int64_t count, bool residual, QuantizedRows& q)
   }
 }
 
+#ifdef CONVEYOR_ROW_PAIRS
+// Rows 2p and 2p + 1 side by side, per sub-block s at [p, s]: their codes (32 bytes each), their
+// scales (8 floats each: dx broadcast) and lane sums (8 each), for one 512-bit operand a pair
+void pair_rows(int64_t rows, int64_t subs, bool residual, QuantizedRows& q) {
+  const int64_t pairs = rows / 2;
+  q.pair_codes.resize(pairs * subs * 64);
+  q.pair_residual_codes.resize(residual ? pairs * subs * 64 : 0);
+  q.pair_scales.resize(pairs * subs * 16);
+  q.pair_lane_sums.resize(pairs * subs * 16);
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int64_t s = 0; s < subs; ++s)
+      for (int half = 0; half < 2; ++half) {
+        const int64_t xb = (2 * p + half) * subs + s, at = (p * subs + s) * 2 + half;
+        std::memcpy(q.pair_codes.data() + at * 32, q.codes.data() + xb * 32, 32);
+        if (residual) std::memcpy(q.pair_residual_codes.data() + at * 32, q.residual_codes.data() + xb * 32, 32);
+        std::fill_n(q.pair_scales.data() + at * 8, 8, q.dot_scales[xb]);
+        std::memcpy(q.pair_lane_sums.data() + at * 8, q.lane_sums.data() + xb * 8, 8 * sizeof(float));
+      }
+}
+#endif
+
 // x [rows, in] contiguous, float32 or bfloat16; the buffers are the calling thread's, reused by
 // its next call (a decode step makes about a hundred)
 const QuantizedRows& quantize_rows(const at::Tensor& x, bool residual) {
@@ -100,6 +134,9 @@ const QuantizedRows& quantize_rows(const at::Tensor& x, bool residual) {
   } else {
     quantize_blocks(x.data_ptr<at::BFloat16>(), blocks, residual, q);
   }
+#ifdef CONVEYOR_ROW_PAIRS
+  pair_rows(x.size(0), x.size(1) / 32, residual, q);
+#endif
   return q;
 }
 
@@ -127,17 +164,67 @@ inline __m256i codes_for(const SubBlock& sub, const int8_t* codes) {
   return sub.is_signed ? _mm256_sign_epi8(x, sub.sign_of) : x;
 }
 
-// y for R rows of x (from row r0) and kOut weight rows (from o0; `valid` of them stored): the
-// x side of each sub-block is read once for the kOut weight rows, and the kOut * R accumulators
-// are independent chains (one row's chain alone made the FMA latency the bound).
+#ifdef CONVEYOR_ROW_PAIRS
+constexpr bool kRowPairs = true;
+
+// a weight sub-block for two rows of x at once: codes, scale and offset in both halves, and
+// the mask of the lanes whose x must change sign (signed types)
+struct PairSub {
+  __m512i codes;
+  __m512 scale, offset;
+  __mmask64 negate;
+};
+
+inline PairSub pair_sub(const SubBlock& sub) {
+  const auto both = [](__m256 v) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v))); };
+  const __mmask64 negate = sub.is_signed ? _mm512_movepi8_mask(_mm512_broadcast_i64x4(sub.sign_of)) : 0;
+  return PairSub{_mm512_broadcast_i64x4(sub.codes), both(sub.scale), both(sub.offset), negate};
+}
+
+// 64 codes of a pair of rows at p, their signs following the weight's (vpsignb's, but for lanes
+// whose weight code is 0, whose products are 0 either way)
+inline __m512i pair_codes_for(const PairSub& sub, const int8_t* p) {
+  const __m512i x = _mm512_loadu_si512(p);
+  return _mm512_mask_sub_epi8(x, sub.negate, _mm512_setzero_si512(), x);
+}
+
+template <bool kResidual>
+inline void pair_step(const PairSub& sub, bool has_offset, const QuantizedRows& xq, int64_t at, __m512& acc,
+                      __m512& off) {
+  __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), sub.codes,
+                                    pair_codes_for(sub, xq.pair_codes.data() + at * 64));
+  if constexpr (kResidual)
+    dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), sub.codes,
+                              pair_codes_for(sub, xq.pair_residual_codes.data() + at * 64));
+  const __m512 scale = _mm512_mul_ps(sub.scale, _mm512_loadu_ps(xq.pair_scales.data() + at * 16));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+  if (has_offset) off = _mm512_fmadd_ps(sub.offset, _mm512_loadu_ps(xq.pair_lane_sums.data() + at * 16), off);
+}
+
+inline __m256 low_half(__m512 v) { return _mm512_castps512_ps256(v); }
+inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+#else
+constexpr bool kRowPairs = false;
+#endif
+
+// y for R rows of x (from row r0, even where R > 1) and kOut weight rows (from o0; `valid` of
+// them stored): the x side of each sub-block is read once for the kOut weight rows, and the
+// kOut * R accumulators are independent chains (one row's chain alone made the FMA latency the
+// bound). With AVX-512, rows go two by two (kPairs), an odd last row alone.
 template <int64_t kType, int kOut, int R, bool kResidual, typename T>
 void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t subs, const QuantizedRows& xq, int64_t r0, int64_t o0,
               int valid, int64_t out, T* y) {
+  constexpr int kPairs = kRowPairs && R >= 4 ? R / 2 : 0, kFirstSingle = 2 * kPairs;
   const uint8_t* rows[kOut];
   for (int i = 0; i < kOut; ++i) rows[i] = w + (o0 + std::min(i, valid - 1)) * row_bytes;
   __m256 acc[kOut][R], off[kOut][R];  // off: the offsets' terms, a chain of their own
   for (int i = 0; i < kOut; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = off[i][r] = _mm256_setzero_ps();
+#ifdef CONVEYOR_ROW_PAIRS
+  __m512 pair_acc[kOut][kPairs > 0 ? kPairs : 1], pair_off[kOut][kPairs > 0 ? kPairs : 1];
+  for (int i = 0; i < kOut; ++i)
+    for (int p = 0; p < kPairs; ++p) pair_acc[i][p] = pair_off[i][p] = _mm512_setzero_ps();
+#endif
   // kOut rows read side by side are kOut streams, which the hardware prefetcher served at half
   // the speed of one: the next group's rows (contiguous) are fetched at the pace this one is read
   const char* next_group = reinterpret_cast<const char*>(w + (o0 + kOut) * row_bytes);
@@ -153,8 +240,16 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t subs, const Quantized
 #pragma GCC unroll 8
       for (int i = 0; i < kOut; ++i) {
         const SubBlock sub = sub_block_in<kType>(rows[i], s0, j);
+#ifdef CONVEYOR_ROW_PAIRS
+        if constexpr (kPairs > 0) {
+          const PairSub pair = pair_sub(sub);
+#pragma GCC unroll 3
+          for (int p = 0; p < kPairs; ++p)
+            pair_step<kResidual>(pair, sub.has_offset, xq, (r0 / 2 + p) * subs + s, pair_acc[i][p], pair_off[i][p]);
+        }
+#endif
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
+        for (int r = kFirstSingle; r < R; ++r) {
           const int64_t xb = (r0 + r) * subs + s;
           __m256i dot = dot_lanes(_mm256_setzero_si256(), sub.codes, codes_for(sub, xq.codes.data() + xb * 32));
           if constexpr (kResidual)
@@ -167,16 +262,27 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t subs, const Quantized
       }
     }
   }
+#ifdef CONVEYOR_ROW_PAIRS
+  for (int i = 0; i < kOut; ++i)
+    for (int p = 0; p < kPairs; ++p) {
+      const __m512 total = _mm512_add_ps(pair_acc[i][p], pair_off[i][p]);
+      acc[i][2 * p] = low_half(total);  // = acc + off of the 256-bit path, lane for lane
+      acc[i][2 * p + 1] = high_half(total);
+    }
+#endif
   for (int i = 0; i < valid; ++i)
-    for (int r = 0; r < R; ++r)
-      y[(r0 + r) * out + o0 + i] = static_cast<T>(sum_lanes(_mm256_add_ps(acc[i][r], off[i][r])));
+    for (int r = 0; r < R; ++r) {
+      const __m256 total = r < kFirstSingle ? acc[i][r] : _mm256_add_ps(acc[i][r], off[i][r]);
+      y[(r0 + r) * out + o0 + i] = static_cast<T>(sum_lanes(total));
+    }
 }
 
 // y [rows, out] in x's dtype: threads over groups of weight rows, each read once per call
 template <int64_t kType, int R, bool kResidual, typename T>
 void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t r0, int64_t out,
               T* y) {
-  constexpr int kOut = R == 1 && kSubsPerBlock<kType> == 1 ? 8 : 4;  // 8 * 1 or 4 * R accumulators
+  // 8 * 1, 4 * R or, past 4 rows (two registers a pair), 2 * R accumulators
+  constexpr int kOut = R == 1 && kSubsPerBlock<kType> == 1 ? 8 : (R > 4 ? 2 : 4);
   const int64_t groups = (out + kOut - 1) / kOut;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
@@ -194,7 +300,13 @@ void dot_all_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const Quantiz
       case 1: dot_rows<kType, 1, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
       case 2: dot_rows<kType, 2, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
       case 3: dot_rows<kType, 3, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
+#ifdef CONVEYOR_ROW_PAIRS
+      case 4: dot_rows<kType, 4, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
+      case 5: dot_rows<kType, 5, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
+      default: dot_rows<kType, 6, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
+#else
       default: dot_rows<kType, 4, kResidual>(w, row_bytes, in, xq, r0, out, y); break;
+#endif
     }
   }
 }
