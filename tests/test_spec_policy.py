@@ -192,12 +192,12 @@ def test_a_request_probes_with_one_draft_and_grows_k_as_its_drafts_land():
     policy = SpeculationPolicy(5, fitted_cost(0.02, 0.00001), AcceptanceTracker(prior=0.9))
     rows = [RowCandidate("r", 10)]
     ks = []
-    for accepted in (1, 2, 3):  # every draft accepted: own accepted 1, 2.9, 5.6 (decayed)
+    for accepted in (1, 2, 3):  # own accepted 1, then 3 (two full rows: failures none to drop)
         ks.append(policy.choose(rows, 1, 1, token_budget_left=100)[0])
         policy.observe("r", ks[-1], accepted)
     ks.append(policy.choose(rows, 1, 1, token_budget_left=100)[0])
-    assert ks == [1, 2, 3, 5]
-    assert policy.acceptance.rate("chat") > 0.9
+    assert ks == [1, 2, 4, 5]
+    assert policy.acceptance.rate("chat") > 0.8
     assert policy.choose([RowCandidate("chat", 10)], 1, 1, token_budget_left=100) == [1]
 
 
@@ -213,3 +213,22 @@ def test_an_engine_whose_first_probes_failed_probes_again_later():
     chosen = [policy.choose(rows, 4, 4, token_budget_left=100) for _ in range(130)]
     probes = [step for step, ks in enumerate(chosen) if any(ks)]
     assert probes == [63, 127] and all(chosen[s] == [1, 1, 1, 1] for s in probes)
+
+
+def test_two_fully_accepted_rows_forget_the_failures_before_them():
+    """An answer's preamble misses (its single-draft probes rejected), then its body copies: two
+    rows accepted in full drop the earlier failures, so k ramps up within two steps instead of
+    the ten the moving average would take; a single lucky row does not."""
+    policy = SpeculationPolicy(5, fitted_cost(0.02, 0.00001), AcceptanceTracker(prior=0.9))
+    for _ in range(6):
+        policy.observe("r", 1, 0)
+    low = policy.acceptance.rate("r")
+    policy.observe("r", 1, 1)
+    assert policy.acceptance.rate("r") < 0.5 and low < 0.3  # one row: still the old failures
+    policy.observe("r", 1, 1)
+    reset = policy.acceptance.rate("r")
+    assert reset > 0.6 and policy.acceptance.probe_cap("r") == 3
+    assert policy.choose([RowCandidate("r", 10)], 1, 1, token_budget_left=100) == [3]
+    policy.observe("r", 3, 0)  # a rejection ends the streak: the next two count afresh
+    policy.observe("r", 1, 1)
+    assert policy.acceptance.rate("r") < reset - 0.05

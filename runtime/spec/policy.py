@@ -13,7 +13,8 @@ anyway), so the policy raises k one draft at a time where a^j is largest, while 
 and budget is left. A full batch (no budget) or a costly token (c_tokens large against a^j)
 means k = 0; k = 0 everywhere is no speculation at all. A request takes one draft more than it
 has had accepted (AcceptanceTracker.probe_cap): probing costs one verified token, and k grows as
-drafts land. A row whose acceptance rate is below `min_acceptance` gets k = 0 whatever the fit
+drafts land; two rows accepted in full forget the failures before them (an answer's preamble
+missed, its body copies), so k ramps up at once. A row whose acceptance rate is below `min_acceptance` gets k = 0 whatever the fit
 says: the cost model sees only the forward pass, not the proposer's and the verifier's host
 time, and its token slope is noisy near zero. A row left at k = 0 relaxes toward the engine's
 rate, and after `probe_interval` such steps in a row gets one single-draft probe, so that no
@@ -110,6 +111,8 @@ class AcceptanceTracker:
         self.probe_interval = probe_interval
         self._trials: dict[str, tuple[float, float]] = {}  # request id -> (accepted, tried)
         self._waited: dict[str, int] = {}  # request id -> steps at k = 0 since its last probe
+        self._streak: dict[str, tuple[int, int]] = {}  # request id -> (accepted, tried) of its
+        # latest fully accepted rows in a row
         self._engine_trials = (0.0, 0.0)  # every request's, decayed by engine_decay
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
@@ -120,9 +123,24 @@ class AcceptanceTracker:
         self._waited.pop(request_id, None)
         trials = self._trials.get(request_id, (0.0, 0.0))
         self._trials[request_id] = _decayed(trials, self.decay, num_accepted, num_tried)
+        self._forget_before_a_change(request_id, num_accepted, num_tried)
         self._engine_trials = _decayed(
             self._engine_trials, self.engine_decay, num_accepted, num_tried
         )
+
+    def _forget_before_a_change(self, request_id: str, accepted: int, tried: int) -> None:
+        """Two fully accepted rows in a row: the text turned to copying (an answer's preamble
+        missed, then its body copies), so the failures before them are forgotten and k ramps up
+        at once instead of over the ten steps the moving average would take."""
+        if accepted < tried:
+            self._streak.pop(request_id, None)
+            return
+        streak = self._streak.get(request_id, (0.0, 0.0))
+        streak = (streak[0] + accepted, streak[1] + tried)
+        self._streak[request_id] = streak
+        if streak[1] >= 2:  # keep what was accepted, drop what failed
+            accepted_so_far = max(self._trials[request_id][0], streak[0])
+            self._trials[request_id] = (accepted_so_far, accepted_so_far)
 
     @property
     def engine_rate(self) -> float:
@@ -157,6 +175,7 @@ class AcceptanceTracker:
     def release(self, request_id: str) -> None:
         self._trials.pop(request_id, None)
         self._waited.pop(request_id, None)
+        self._streak.pop(request_id, None)
 
 
 def _decayed(
