@@ -88,8 +88,11 @@ def test_new_requests_start_from_the_engines_acceptance():
 
 
 def test_a_costly_token_gives_k_zero_even_with_good_acceptance():
-    # each extra token costs as much as a whole one-token step: drafting cannot pay
-    policy = policy_with(0.75, fitted_cost(0.001, 0.01))
+    # each extra token costs as much as a whole one-token step: drafting cannot pay (a draft
+    # sure to be accepted would: first drafts accepted 3 times in 4)
+    policy = SpeculationPolicy(5, fitted_cost(0.001, 0.01), AcceptanceTracker())
+    for accepted in (3, 3, 3, 0) * 8:
+        policy.observe("r", 4, accepted)
     assert policy.choose(
         [RowCandidate("r", 10)], num_rows=8, num_tokens=8, token_budget_left=100
     ) == [0]
@@ -104,9 +107,9 @@ def test_a_full_batch_gives_k_zero():
 
 def test_the_budget_left_bounds_the_drafts_and_goes_to_the_best_rows():
     tracker = AcceptanceTracker()
-    for _ in range(30):
+    for accepted in (4, 0) * 15:
         tracker.observe("good", 4, 4)
-        tracker.observe("fair", 4, 2)
+        tracker.observe("fair", 4, accepted)  # rows accepted in full or not at all
     policy = SpeculationPolicy(5, fitted_cost(0.02, 0.00001), tracker)
     rows = [RowCandidate("fair", 10), RowCandidate("good", 10)]
     ks = policy.choose(rows, num_rows=2, num_tokens=2, token_budget_left=4)
@@ -215,20 +218,38 @@ def test_an_engine_whose_first_probes_failed_probes_again_later():
     assert probes == [63, 127] and all(chosen[s] == [1, 1, 1, 1] for s in probes)
 
 
-def test_two_fully_accepted_rows_forget_the_failures_before_them():
-    """An answer's preamble misses (its single-draft probes rejected), then its body copies: two
-    rows accepted in full drop the earlier failures, so k ramps up within two steps instead of
-    the ten the moving average would take; a single lucky row does not."""
+def test_fully_accepted_rows_forget_the_failures_before_them():
+    """An answer's preamble misses (its single-draft probes rejected), then its body copies: rows
+    accepted in full with 3 drafts between them (k = 1, then 2) drop the earlier failures, so k
+    ramps up within two steps instead of the ten the moving average would take; single drafts
+    accepted by chance (twice at chat's rate of 0.5 is a quarter of the time) do not."""
     policy = SpeculationPolicy(5, fitted_cost(0.02, 0.00001), AcceptanceTracker(prior=0.9))
     for _ in range(6):
         policy.observe("r", 1, 0)
     low = policy.acceptance.rate("r")
     policy.observe("r", 1, 1)
-    assert policy.acceptance.rate("r") < 0.5 and low < 0.3  # one row: still the old failures
     policy.observe("r", 1, 1)
+    assert policy.acceptance.rate("r") < 0.5 and low < 0.3  # still the old failures
+    policy.observe("r", 2, 2)
     reset = policy.acceptance.rate("r")
-    assert reset > 0.6 and policy.acceptance.probe_cap("r") == 3
-    assert policy.choose([RowCandidate("r", 10)], 1, 1, token_budget_left=100) == [3]
-    policy.observe("r", 3, 0)  # a rejection ends the streak: the next two count afresh
+    assert reset > 0.6 and policy.acceptance.probe_cap("r") == 5
+    assert policy.choose([RowCandidate("r", 10)], 1, 1, token_budget_left=100) == [5]
+    policy.observe("r", 5, 0)  # a rejection ends the streak: the next rows count afresh
     policy.observe("r", 1, 1)
     assert policy.acceptance.rate("r") < reset - 0.05
+
+
+def test_a_costly_probe_relaxes_a_rows_failures_more_slowly():
+    """Re-probing a row left at k = 0 costs about the same share of the time whatever a probe
+    costs: a draft model's probe (three quarters of a step) waits longer than prompt lookup's."""
+    waits = []
+    for probe_cost in (0.33, 0.75):
+        tracker = AcceptanceTracker(prior=0.9)
+        tracker.observe("other", 10, 10)  # a copying engine
+        tracker.observe("r", 1, 0)
+        steps = 0
+        while tracker.rate("r") < 0.75:
+            tracker.relax("r", probe_cost)
+            steps += 1
+        waits.append(steps)
+    assert waits[1] > 2 * waits[0] > 0

@@ -13,11 +13,13 @@ anyway), so the policy raises k one draft at a time where a^j is largest, while 
 and budget is left. A full batch (no budget) or a costly token (c_tokens large against a^j)
 means k = 0; k = 0 everywhere is no speculation at all. A request takes one draft more than it
 has had accepted (AcceptanceTracker.probe_cap): probing costs one verified token, and k grows as
-drafts land; two rows accepted in full forget the failures before them (an answer's preamble
-missed, its body copies), so k ramps up at once. A row whose acceptance rate is below `min_acceptance` gets k = 0 whatever the fit
-says: the cost model sees only the forward pass, not the proposer's and the verifier's host
-time, and its token slope is noisy near zero. A row left at k = 0 relaxes toward the engine's
-rate, and after `probe_interval` such steps in a row gets one single-draft probe, so that no
+drafts land; two or more rows in a row accepted in full, 3 drafts between them, forget the
+failures before them (an answer's preamble missed, its body copies), so k ramps up at once.
+A row whose acceptance rate is below `min_acceptance` gets k = 0 whatever the fit says: the
+cost model sees only the forward pass, not the proposer's and the verifier's host time, and
+its token slope is noisy near zero. A row left at k = 0 relaxes toward the engine's
+rate (the slower, the more a failed probe costs: a draft model's more than prompt lookup's),
+and after `probe_interval` such steps in a row gets one single-draft probe, so that no
 rate stays where it does not pay for want of new evidence.
 
 A draft model's own forward passes cost time the target's step does not show: `DraftCost`
@@ -34,6 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+PROMPT_LOOKUP_PROBE_COST = 0.33  # a failed single-draft probe, in plain steps (SmolLM2, 2 cores)
+STREAK_ACCEPTED = 3  # drafts the latest full rows (two or more) must have accepted to forget
+# older failures (a copy ramp's k = 1 then 2; two single drafts accepted by chance: not)
 
 
 class StepCostModel:
@@ -111,8 +117,8 @@ class AcceptanceTracker:
         self.probe_interval = probe_interval
         self._trials: dict[str, tuple[float, float]] = {}  # request id -> (accepted, tried)
         self._waited: dict[str, int] = {}  # request id -> steps at k = 0 since its last probe
-        self._streak: dict[str, tuple[int, int]] = {}  # request id -> (accepted, tried) of its
-        # latest fully accepted rows in a row
+        self._streak: dict[str, tuple[int, int]] = {}  # request id -> (drafts accepted, rows)
+        # of its latest fully accepted rows in a row
         self._engine_trials = (0.0, 0.0)  # every request's, decayed by engine_decay
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
@@ -129,16 +135,18 @@ class AcceptanceTracker:
         )
 
     def _forget_before_a_change(self, request_id: str, accepted: int, tried: int) -> None:
-        """Two fully accepted rows in a row: the text turned to copying (an answer's preamble
-        missed, then its body copies), so the failures before them are forgotten and k ramps up
-        at once instead of over the ten steps the moving average would take."""
+        """Two or more fully accepted rows in a row with STREAK_ACCEPTED drafts (one row of many
+        accepted drafts is a burst, which chat has too): the text turned to copying
+        (an answer's preamble missed, then its body copies), so the failures before them are
+        forgotten and k ramps up at once instead of over the ten steps the moving average would
+        take."""
         if accepted < tried:
             self._streak.pop(request_id, None)
             return
-        streak = self._streak.get(request_id, (0.0, 0.0))
-        streak = (streak[0] + accepted, streak[1] + tried)
+        streak = self._streak.get(request_id, (0, 0))
+        streak = (streak[0] + accepted, streak[1] + 1)
         self._streak[request_id] = streak
-        if streak[1] >= 2:  # keep what was accepted, drop what failed
+        if streak[1] >= 2 and streak[0] >= STREAK_ACCEPTED:  # keep the accepted, drop the rest
             accepted_so_far = max(self._trials[request_id][0], streak[0])
             self._trials[request_id] = (accepted_so_far, accepted_so_far)
 
@@ -158,19 +166,27 @@ class AcceptanceTracker:
         request under a copying engine's prior pays single tokens for its failed probes, not k."""
         return 1 + int(self._trials.get(request_id, (0.0, 0.0))[0])
 
-    def relax(self, request_id: str) -> bool:
+    def relax(self, request_id: str, probe_cost: float = PROMPT_LOOKUP_PROBE_COST) -> bool:
         """A row the policy gave k = 0: old evidence fades, so the rate drifts back to the
         engine's and, where the engine's drafts pay, a request whose text turned copy-heavy gets
         probed again. True on every `probe_interval`-th such step in a row: then the row gets a
         single-draft probe whatever its rate, so that no rate stays where it does not pay for
         want of evidence (an engine whose first probes all failed observes nothing new
         otherwise). One verified token in probe_interval steps is under 1% of them."""
+        decay = self._relax_decay_for(probe_cost)
         trials = self._trials.get(request_id, (0.0, 0.0))
         if trials[1]:
-            self._trials[request_id] = _decayed(trials, self.relax_decay)
+            self._trials[request_id] = _decayed(trials, decay)
         waited = self._waited.get(request_id, 0) + 1
         self._waited[request_id] = waited % self.probe_interval
         return waited == self.probe_interval
+
+    def _relax_decay_for(self, probe_cost: float) -> float:
+        """relax_decay where a failed single-draft probe costs what prompt lookup's does (a third
+        of a step); slower where probes cost more (a draft model's: its draft token and the
+        verify row, three quarters of a step), so that re-probing costs as much of the time."""
+        scale = max(1.0, probe_cost / PROMPT_LOOKUP_PROBE_COST)
+        return 1.0 - (1.0 - self.relax_decay) / scale
 
     def release(self, request_id: str) -> None:
         self._trials.pop(request_id, None)
@@ -238,14 +254,20 @@ class SpeculationPolicy:
             ks[i] += 1
             if ks[i] < caps[i]:
                 heapq.heappush(heap, (negative_gain * rates[i], i))
+        probe_cost = self._probe_cost(num_rows, num_tokens, per_draft)
         for i, row in enumerate(rows):
-            probe = ks[i] == 0 and self.acceptance.relax(row.request_id)
+            probe = ks[i] == 0 and self.acceptance.relax(row.request_id, probe_cost)
             if probe and extra < token_budget_left and self._cap(row):
                 ks[i], extra = 1, extra + 1
         return ks
 
     def _cap(self, row: RowCandidate) -> int:
         return min(self.num_speculative_tokens, row.max_k)
+
+    def _probe_cost(self, num_rows: int, num_tokens: int, per_draft: float) -> float:
+        """What one draft more adds to the step, as a share of the step."""
+        step = self.cost.predict(num_rows, num_tokens)
+        return (self.cost.predict(num_rows, num_tokens + 1) + per_draft - step) / max(step, 1e-9)
 
 
 class FixedK(SpeculationPolicy):
