@@ -25,6 +25,7 @@ d * q + m; Q4_K, Q5_K d * sc * q - d_min * mn; Q6_K d * sc * (q - 32).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import gguf
@@ -54,10 +55,16 @@ def _columns(out_features: int) -> int:
     return -(-out_features // ALIGN) * ALIGN
 
 
+def padded_in_features(in_features: int) -> int:
+    """The values of a row the planes hold (and the GEMV's quantized x): K_ALIGN's multiple."""
+    return -(-in_features // K_ALIGN) * K_ALIGN
+
+
+@functools.cache  # every GEMV call asks (Planes.pointers), for a model's few shapes
 def _layout(qtype, out_features: int, in_features: int) -> tuple[dict, int]:
     """name -> (word offset, plane rows), and the total words."""
     columns, offset, layout = _columns(out_features), 0, {}
-    padded = -(-in_features // K_ALIGN) * K_ALIGN
+    padded = padded_in_features(in_features)
     for name, values in plane_specs(qtype).items():
         rows = padded // values
         layout[name] = (offset, rows)
@@ -84,7 +91,7 @@ class Planes(NamedTuple):
     @property
     def padded_subs(self) -> int:
         """32-value sub-blocks of a padded row (a multiple of 4)."""
-        return -(-self.in_features // K_ALIGN) * K_ALIGN // 32
+        return padded_in_features(self.in_features) // 32
 
     def plane(self, name: str) -> torch.Tensor:
         layout, _ = _layout(self.qtype, self.out_features, self.in_features)
@@ -198,10 +205,10 @@ def _bits(packed: torch.Tensor, count: int) -> torch.Tensor:
 def _decode(per_block: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, dict]:
     """[n, blocks, block_bytes] -> (codes [n, blocks, values] int, scales: d and (Q4_1, Q4_K,
     Q5_K) dm float16 [n, blocks]; K-quants' sc (and mn) per sub-block)."""
-    b = per_block.to(torch.int32)
-    n, blocks = b.shape[:2]
     if qtype == Q.Q6_K:
         return _decode_q6_k(per_block)
+    b = per_block.to(torch.int32)
+    n, blocks = b.shape[:2]
     fields = {"d": _half(per_block, 0)}
     if qtype == Q.Q8_0:
         return b[:, :, 2:34], fields

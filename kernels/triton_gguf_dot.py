@@ -232,14 +232,15 @@ def _sum_splits(partial_ptr, out_ptr, n, out_features, num_rows, num_splits, ROW
 
 
 def quantize_x(x):
-    """x [rows, in_features] -> (words [rows, in/4] int32 of four int8 each, scales [2, rows,
-    in/32] float32: dx and dx * sum of the sub-block's xq): what gguf_dot reads."""
+    """x [rows, in_features] -> (words [rows, K/4] int32 of four int8 each, scales [2, rows,
+    K/32] float32: dx and dx * sum of the sub-block's xq; K in_features padded as the planes
+    pad it, the padding zero): what gguf_dot reads."""
     import torch
 
-    from kernels.gguf_planes import K_ALIGN
+    from kernels.gguf_planes import padded_in_features
 
     assert x.stride(1) == 1 and x.shape[1] % 32 == 0
-    num_rows, num_subs = x.shape[0], triton.cdiv(x.shape[1], K_ALIGN) * K_ALIGN // 32
+    num_rows, num_subs = x.shape[0], padded_in_features(x.shape[1]) // 32
     words = torch.empty(num_rows, num_subs * 8, dtype=torch.int32, device=x.device)
     scales = torch.empty(2, num_rows, num_subs, dtype=torch.float32, device=x.device)
     if num_rows:
