@@ -2,7 +2,7 @@
 (`--quantization gguf`) against the same file dequantized to float32 (`--quantization none`, the
 oracle), teacher-forced on a fixed text: how often the next-token argmax agrees, and both
 perplexities. The text is prefilled in chunks of at most the decode kernel's row count, so that
-every matmul runs the kernel a decode step runs (int8 activations, integer dot products)."""
+every matmul runs the kernel a decode step runs (int16 activations, integer dot products)."""
 
 from __future__ import annotations
 

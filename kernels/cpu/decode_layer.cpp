@@ -30,9 +30,9 @@ c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
 }
 
 Tensor quant_dot(const Tensor& x, const Tensor& blocks, int64_t type, int64_t out, int64_t in) {
-  static const auto op = typed_op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, bool)>(
-      "conveyor_cpu::quant_dot");
-  return op.call(x, blocks, type, out, in, true);
+  static const auto op =
+      typed_op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>("conveyor_cpu::quant_dot");
+  return op.call(x, blocks, type, out, in);
 }
 
 std::tuple<Tensor, Tensor> rms_norm(const Tensor& x, const Tensor& weight, double eps,

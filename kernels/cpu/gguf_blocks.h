@@ -110,9 +110,8 @@ inline SubBlock q8_0_sub(const uint8_t* b) {
   return sub;
 }
 
-// Q4_K (high_bits null) and Q5_K: sub-block j of 8; w = d * scale_j * q - dmin * min_j
-inline SubBlock k4_k5_sub(float d, float dmin, const uint8_t* scales, const uint8_t* qs, const __m256i* high_bits,
-                          int j) {
+// Q4_K (high_bits null) and Q5_K: sub-block j's 32 codes, 0..15 (0..31)
+inline __m256i k4_k5_codes(const uint8_t* qs, const __m256i* high_bits, int j) {
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32));
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, mask);
@@ -120,23 +119,37 @@ inline SubBlock k4_k5_sub(float d, float dmin, const uint8_t* scales, const uint
     const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(*high_bits, j), _mm256_set1_epi8(1));
     codes = _mm256_or_si256(codes, _mm256_slli_epi16(bit, 4));
   }
+  return codes;
+}
+
+// Q4_K and Q5_K: sub-block j of 8; w = d * scale_j * q - dmin * min_j
+inline SubBlock k4_k5_sub(float d, float dmin, const uint8_t* scales, const uint8_t* qs, const __m256i* high_bits,
+                          int j) {
   int scale, min;
   scale_min_k4(j, scales, &scale, &min);
-  return SubBlock{codes, _mm256_set1_ps(d * scale), _mm256_set1_ps(-dmin * min)};
+  return SubBlock{k4_k5_codes(qs, high_bits, j), _mm256_set1_ps(d * scale), _mm256_set1_ps(-dmin * min)};
 }
 
 // Q6_K: 2 halves of 128 values, 4 sub-blocks of 32 each, a signed scale per 16 values;
 // w = d * scale * (q - 32), q in 0..63 from 4 low bits (ql) and 2 high bits (qh)
-inline SubBlock q6_k_sub(float d, const uint8_t* b, int j) {
+inline __m256i q6_k_codes(const uint8_t* b, int j) {
   const int half = j / 4, k = j % 4;
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + half * 64 + (k & 1) * 32));
   const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32));
   const __m256i low = _mm256_and_si256(k < 2 ? packed : _mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
   const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), _mm256_set1_epi8(3));
-  const __m256i codes = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + half * 8);
-  const float s0 = d * sc[2 * k], s1 = d * sc[2 * k + 1];
-  return SubBlock{codes, two_halves(s0, s1), two_halves(-32.f * s0, -32.f * s1)};
+  return _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
+}
+
+// sub-block j's two scales, of its first and last 16 values
+inline const int8_t* q6_k_scales(const uint8_t* b, int j) {
+  return reinterpret_cast<const int8_t*>(b + 192 + (j / 4) * 8) + 2 * (j % 4);
+}
+
+inline SubBlock q6_k_sub(float d, const uint8_t* b, int j) {
+  const int8_t* sc = q6_k_scales(b, j);
+  const float s0 = d * sc[0], s1 = d * sc[1];
+  return SubBlock{q6_k_codes(b, j), two_halves(s0, s1), two_halves(-32.f * s0, -32.f * s1)};
 }
 
 // bytes of a K-quant's super-block
@@ -144,25 +157,6 @@ constexpr int64_t kQ4kBytes = 144, kQ5kBytes = 176, kQ6kBytes = 210;
 
 template <int64_t kType>
 constexpr int kSubsPerBlock = kType == Q4_K || kType == Q5_K || kType == Q6_K ? 8 : 1;
-
-// sub-block s0 + j of a row of type kType, s0 the first of its block (j < kSubsPerBlock)
-template <int64_t kType>
-inline SubBlock sub_block_in(const uint8_t* row, int64_t s0, int j) {
-  if constexpr (kType == Q4_0) return q4_0_sub(row + s0 * 18);
-  if constexpr (kType == Q4_1) return q4_1_sub(row + s0 * 20);
-  if constexpr (kType == Q5_0) return q5_0_sub(row + s0 * 22);
-  if constexpr (kType == Q8_0) return q8_0_sub(row + s0 * 34);
-  if constexpr (kType == Q4_K || kType == Q5_K) {
-    const bool five = kType == Q5_K;
-    const uint8_t* b = row + (s0 / 8) * (five ? kQ5kBytes : kQ4kBytes);
-    const __m256i high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));  // Q5_K's
-    return k4_k5_sub(half_at(b), half_at(b + 2), b + 4, b + (five ? 48 : 16), five ? &high_bits : nullptr, j);
-  }
-  if constexpr (kType == Q6_K) {
-    const uint8_t* b = row + (s0 / 8) * kQ6kBytes;
-    return q6_k_sub(half_at(b + 208), b, j);
-  }
-}
 
 // the 32-value sub-blocks of a row: Visit(sub, index of the sub-block in the row)
 template <typename Visit>

@@ -36,8 +36,7 @@ NATIVE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K
 TRITON_TYPES = NATIVE_TYPES  # kernels/triton_gguf.py's
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel; more dequantize tiles
-BF16_DECODE_ROWS = 3  # the same where quant_gemm takes bfloat16 rows: it wins from 4 (two terms
-# of int8 activations cost the integer kernel a pass over the weights' codes per row)
+BF16_DECODE_ROWS = 3  # the same where quant_gemm takes bfloat16 rows: it wins from 4
 SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2): dequantizing a tile is
 # scalar there, and quant_dot, a pass per 4 rows, stays faster up to about 48 rows
 TILE_VALUES = 1 << 20  # dequantized values per tile (2 MiB in bfloat16: stays in L2)
@@ -72,8 +71,8 @@ class QuantizedTensor:
 
 @functools.cache
 def integer_dots() -> bool:
-    """Activations quantized to int8 in two terms (x ~ d * q + d2 * q2: near float32's error) and
-    integer dot products (kernels/cpu/quant_dot.cpp, x86 with AVX2 at least); else the float
+    """Activations quantized to int16 per group (near float32's error), weights unpacked to int16
+    and integer dot products (kernels/cpu/quant_dot.cpp, x86 with AVX2 at least); else the float
     kernel (quant_matmul.cpp)."""
     ops = native_ops()
     return ops is not None and ops.quant_dot_available()
