@@ -1,20 +1,16 @@
 """KV block ids and refcounts for the GPU pool and the CPU swap pool, with prefix caching.
 
 Invariants:
-  - a GPU block is either referenced (refcount > 0) or in `free_blocks`, never both;
-  - a free block may still carry a hash and be found by prefix lookups until it is reused
-    (least recently freed first out);
+  - the GPU pool's (scheduler/block_pool.py): a block is referenced or free, never both; a free
+    block may still carry a hash and be found by prefix lookups until it is reused;
   - block i of a request holds its tokens [i * block_size, (i + 1) * block_size).
 Tensors belong to runtime/; this class only hands out ids.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
+from scheduler.block_pool import CachedBlockPool, chain_hashes
 from scheduler.request import Request
-
-NO_HASH = None
 
 
 class BlockManager:
@@ -29,10 +25,10 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_gpu_blocks
-        self.block_hash: list[int | None] = [NO_HASH] * num_gpu_blocks
-        self.cached_blocks: dict[int, int] = {}  # hash -> gpu block id
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_gpu_blocks))
+        self.pool = CachedBlockPool(num_gpu_blocks)
+        # the pool's, by their names: refcounts, free blocks, hash -> block id, block -> hash
+        self.ref_counts, self.free_blocks = self.pool.ref_counts, self.pool.free_blocks
+        self.cached_blocks, self.block_hash = self.pool.cached_blocks, self.pool.block_hash
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.num_prefix_queries = 0  # tokens looked up
         self.num_prefix_hits = 0  # tokens found
@@ -53,16 +49,9 @@ class BlockManager:
     def hash_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Extend request.block_hashes over the full blocks of its first num_tokens tokens
         (known ones only: a pending token is hashed once it lands)."""
-        if not self.enable_prefix_caching:
-            return
-        tokens = None
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        while len(request.block_hashes) < num_full:
-            tokens = tokens or request.all_token_ids
-            i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if i else 0
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            request.block_hashes.append(hash((parent, chunk)))
+        if self.enable_prefix_caching and len(request.block_hashes) < num_full:
+            chain_hashes(request.all_token_ids, self.block_size, num_tokens, request.block_hashes)
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """GPU blocks holding the longest cached prefix; the last token is always left to compute."""
@@ -70,35 +59,9 @@ class BlockManager:
             return []
         num_full = (request.num_tokens - 1) // self.block_size
         self.hash_full_blocks(request, num_full * self.block_size)
-        hits = []
-        for block_hash in request.block_hashes[:num_full]:
-            block_id = self.cached_blocks.get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
-
-    def _register(self, block_id: int, block_hash: int) -> None:
-        if block_hash not in self.cached_blocks:
-            self.cached_blocks[block_hash] = block_id
-            self.block_hash[block_id] = block_hash
+        return self.pool.lookup(request.block_hashes[:num_full])
 
     # ---- allocation -------------------------------------------------------------------------
-    def _take_free_block(self) -> int:
-        block_id, _ = self.free_blocks.popitem(last=False)
-        old_hash = self.block_hash[block_id]
-        if old_hash is not NO_HASH:
-            if self.cached_blocks.get(old_hash) == block_id:
-                del self.cached_blocks[old_hash]
-            self.block_hash[block_id] = NO_HASH
-        self.ref_counts[block_id] = 1
-        return block_id
-
-    def _touch(self, block_id: int) -> None:
-        if self.ref_counts[block_id] == 0:
-            del self.free_blocks[block_id]
-        self.ref_counts[block_id] += 1
-
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_cached: int = 0) -> int:
         total = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
         return max(0, total - len(request.block_ids) - num_cached)
@@ -119,10 +82,10 @@ class BlockManager:
         if not self.can_allocate(request, num_new_tokens, cached):
             return False
         for block_id in cached:
-            self._touch(block_id)
+            self.pool.touch(block_id)
         request.block_ids.extend(cached)
         needed = self.num_blocks_needed(request, num_new_tokens)
-        request.block_ids.extend(self._take_free_block() for _ in range(needed))
+        request.block_ids.extend(self.pool.take() for _ in range(needed))
         self._cache_computed_blocks(request, num_tokens)
         return True
 
@@ -131,16 +94,12 @@ class BlockManager:
             return
         self.hash_full_blocks(request, num_tokens)
         for block_id, block_hash in zip(request.block_ids, request.block_hashes):
-            if self.block_hash[block_id] is NO_HASH:
-                self._register(block_id, block_hash)
+            self.pool.register(block_id, block_hash)
 
     def free(self, request: Request) -> None:
         """Release the request's GPU blocks, last block first out of the cache."""
         for block_id in reversed(request.block_ids):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
-            if self.ref_counts[block_id] == 0:
-                self.free_blocks[block_id] = None
+            self.pool.release(block_id)
         request.block_ids = []
         self.free_cpu(request)
 
@@ -149,10 +108,7 @@ class BlockManager:
         never hashed), first in line to be reused."""
         num_kept = self.num_blocks_for(num_tokens)
         for block_id in request.block_ids[num_kept:]:
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self.free_blocks[block_id] = None
-                self.free_blocks.move_to_end(block_id, last=False)
+            self.pool.release(block_id, reuse_first=True)
         del request.block_ids[num_kept:]
 
     def free_cpu(self, request: Request) -> None:
@@ -178,7 +134,7 @@ class BlockManager:
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Bring a swapped request back to fresh GPU blocks; returns (cpu, gpu) copies to make."""
         assert self.can_swap_in(request) and not request.block_ids
-        gpu_ids = [self._take_free_block() for _ in request.cpu_block_ids]
+        gpu_ids = [self.pool.take() for _ in request.cpu_block_ids]
         mapping = list(zip(request.cpu_block_ids, gpu_ids))
         self.free_cpu(request)
         request.block_ids = gpu_ids

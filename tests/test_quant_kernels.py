@@ -146,7 +146,7 @@ def test_linear_matches_dequantized_matmul(qtype, rows, dtype, tol):
     )
     got = linear(x)
     assert got.dtype == dtype and got.shape == (rows, out_features)
-    if rows <= quant.integer_dot_rows(dtype) and quant.integer_dots():
+    if rows <= quant.integer_dot_rows() and quant.integer_dots():
         tol = max(tol, 2e-4)  # x in int16 per group: ~1e-5 of the largest output
     scale = expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=tol * scale, rtol=tol)
@@ -156,7 +156,7 @@ def test_prefill_tiles_cover_every_output_row(monkeypatch):
     monkeypatch.setattr(quant, "TILE_VALUES", 5 * 64)  # 5 output rows a tile, 41 rows: 9 tiles
     rng = np.random.default_rng(5)
     blocks = quantized(Q.Q8_0, 41, 64, rng)
-    rows = quant.integer_dot_rows(torch.float32) + 1  # the fewest rows that take the tiles
+    rows = quant.integer_dot_rows() + 1  # the fewest rows that take the tiles
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(5))
     expected = x @ oracle(blocks, Q.Q8_0, 41, 64).T
     torch.testing.assert_close(

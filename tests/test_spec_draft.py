@@ -15,6 +15,7 @@ from runtime.models import catalog
 from runtime.spec.draft_model import DraftTokenizerMismatch
 from runtime.spec.draft_proposer import DraftModelProposer
 from runtime.spec.policy import FixedK
+from scheduler.block_pool import chain_hashes
 from scheduler.request import Request, SamplingParams
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -212,6 +213,59 @@ def test_a_long_catch_up_comes_in_chunks_then_drafts_as_a_fresh_cache(tiny):
     for proposer in (chunked, whole):
         proposer.release("long")
     assert draft.pool.num_free_blocks == draft.pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_cached(tiny_model_dir) -> Engine:
+    """The tiny model drafting for itself, prefix caching on (the draft cache's too)."""
+    return make_engine(4, model=str(tiny_model_dir), draft_model=str(tiny_model_dir),
+                       num_kv_blocks=64, max_num_seqs=4)  # fmt: skip
+
+
+def true_block_hashes(token_ids: list[int], block_size: int) -> set[int]:
+    hashes: list[int] = []
+    chain_hashes(token_ids, block_size, len(token_ids), hashes)
+    return set(hashes)
+
+
+def test_a_prompt_seen_before_catches_up_only_past_its_cached_prefix(tiny_cached):
+    """The draft cache registers the full blocks of a row's true tokens, never a draft: a second
+    request with the same prompt starts from them, and drafts what a row built from scratch
+    drafts; every block comes back when both finish."""
+    draft = tiny_cached.speculator.proposer.draft
+    proposer = DraftModelProposer(draft, num_speculative_tokens=4)
+    prompt = [5 + i % 30 for i in range(40)]
+    first = Request("first", prompt)
+    first_drafts = proposer.propose_rows([first], [4])[0]
+    assert len(first_drafts) == 4 and proposer.rows["first"].num_computed == 40 + 3
+    first.output_token_ids += [first_drafts[0], (first_drafts[1] + 1) % 90]  # one accepted
+    proposer.propose_rows([first], [4])
+    true_hashes = true_block_hashes(first.all_token_ids, draft.block_size)
+    assert set(draft.pool.cached_blocks) <= true_hashes and len(draft.pool.cached_blocks) == 2
+
+    second = Request("second", prompt)
+    drafts = proposer.propose_rows([second], [4])[0]
+    assert proposer.rows["second"].block_ids[:2] == proposer.rows["first"].block_ids[:2]
+    draft.prefix_caching = False
+    try:
+        scratch = DraftModelProposer(draft, num_speculative_tokens=4)
+        assert drafts == scratch.propose_rows([Request("scratch", prompt)], [4])[0]
+        scratch.release("scratch")
+    finally:
+        draft.prefix_caching = True
+    for request_id in ("first", "second"):
+        proposer.release(request_id)
+    assert draft.pool.num_free_blocks == draft.pool.num_blocks
+    assert set(draft.pool.cached_blocks) <= true_hashes
+
+
+def test_a_repeated_prompt_speculates_the_same_tokens_from_the_cache(tiny_cached):
+    prompts = [[3 + i % 7, 4, 5, 6] * 9 for i in range(3)]
+    params = [greedy(20) for _ in prompts]
+    plain = run(tiny_cached, prompts, params, speculate=False)
+    for _ in range(2):  # the second round finds the prompts in both caches
+        assert run(tiny_cached, prompts, params, speculate=True) == plain
+    assert tiny_cached.speculator.proposer.draft.pool.cached_blocks
 
 
 @pytest.mark.parametrize("draft", ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"])

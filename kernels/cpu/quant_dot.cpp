@@ -260,21 +260,29 @@ inline __m256 offset_sums(const QuantizedRows& xq, int64_t row, int64_t subs, in
   return load8(sums + b * 8);
 }
 
-// weight rows a tile reads side by side: as many as the registers hold with R rows of x, two
-// accumulators per pair of rows
-template <int R>
+// sub-blocks unpacked at once per weight row: a K-quant's as many as a lane sums before it
+// converts (8 registers: AVX-512 all 8, AVX2 4); the other types' blocks have one
+template <int64_t kType>
+constexpr int kChunkSubs = kSubsPerBlock<kType> < kFlushSubs ? kSubsPerBlock<kType> : kFlushSubs;
+
+// weight rows a tile reads side by side: as many as the registers hold with R rows of x beside
+// a chunk's unpacked weights (a float accumulator per pair; two where blocks sum per group)
+template <int64_t kType, int R>
 constexpr int tile_out() {
-  constexpr int fit = (kRegisters - CONVEYOR_SPARE) / (2 * R);
-  return fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+  constexpr int unpacked = kChunkSubs<kType> * static_cast<int>(sizeof(W16) / sizeof(IntSum));
+  constexpr int per_pair = kSubsPerBlock<kType> > 1 ? 1 : 2;
+  constexpr int fit = (kRegisters - CONVEYOR_SPARE - unpacked) / (per_pair * R);
+  return fit >= 8 ? 8 : fit >= 4 ? 4 : fit < 1 ? 1 : fit;
 }
 
 // y for R rows of x (from row r0) and kOut weight rows (from o0; `valid` of them stored). A
 // K-quant's block is one group of x, whose step folds into the block's scale; the other types'
-// blocks are summed per group, then scaled by its step.
+// blocks are summed per group, then scaled by its step. Per weight row, a chunk of sub-blocks is
+// unpacked once, then each row of x sums its dot products with all of them in one integer chain.
 template <int64_t kType, int kOut, int R, typename T>
 void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t r0, int64_t o0,
               int valid, int64_t out, T* y) {
-  constexpr int kSubs = kSubsPerBlock<kType>;
+  constexpr int kSubs = kSubsPerBlock<kType>, kChunk = kChunkSubs<kType>;
   constexpr bool kSuper = kSubs > 1;
   const int64_t subs = in / 32, groups = in / xq.group, blocks_per_group = xq.group / (32 * kSubs);
   const uint8_t* rows[kOut];
@@ -293,30 +301,28 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
       BlockHeader h[kOut];
       for (int i = 0; i < kOut; ++i) h[i] = header_of<kType>(rows[i] + b * kBlockBytes<kType>);
-      IntSum sums[kOut][R];
-      for (int i = 0; i < kOut; ++i)
-        for (int r = 0; r < R; ++r) sums[i][r] = int_zero();
-#pragma GCC unroll 8
-      for (int j = 0; j < kSubs; ++j) {
-        const int64_t s = b * kSubs + j;
-        for (int64_t at = s * ahead_per_sub; at < (s + 1) * ahead_per_sub; at += 64)
+      for (int c = 0; c < kSubs; c += kChunk) {
+        const int64_t s = b * kSubs + c;  // the chunk's first sub-block in the row
+        for (int64_t at = s * ahead_per_sub; at < (s + kChunk) * ahead_per_sub; at += 64)
           fits_l1 ? _mm_prefetch(next_group + at, _MM_HINT_T0) : _mm_prefetch(next_group + at, _MM_HINT_T1);
 #pragma GCC unroll 8
         for (int i = 0; i < kOut; ++i) {
-          const W16 wv = weights16<kType>(rows[i] + b * kBlockBytes<kType>, j, h[i]);
+          W16 wv[kChunk];
+#pragma GCC unroll 8
+          for (int j = 0; j < kChunk; ++j) wv[j] = weights16<kType>(rows[i] + b * kBlockBytes<kType>, c + j, h[i]);
 #pragma GCC unroll 6
-          for (int r = 0; r < R; ++r) sums[i][r] = dot_add(sums[i][r], wv, xq.values.data() + (r0 + r) * in + s * 32);
-        }
-        if ((j + 1) % kFlushSubs != 0 && j + 1 != kSubs) continue;
-        for (int i = 0; i < kOut; ++i)
           for (int r = 0; r < R; ++r) {
+            const int16_t* x = xq.values.data() + (r0 + r) * in + s * 32;
+            IntSum sum = int_zero();
+#pragma GCC unroll 8
+            for (int j = 0; j < kChunk; ++j) sum = dot_add(sum, wv[j], x + j * 32);
             if constexpr (kSuper) {
-              acc[i][r] = convert_add(acc[i][r], sums[i][r], h[i].d * xq.steps[(r0 + r) * groups + g]);
+              acc[i][r] = convert_add(acc[i][r], sum, h[i].d * xq.steps[(r0 + r) * groups + g]);
             } else {
-              group_sums[i][r] = convert_add(group_sums[i][r], sums[i][r], h[i].d);
+              group_sums[i][r] = convert_add(group_sums[i][r], sum, h[i].d);
             }
-            sums[i][r] = int_zero();
           }
+        }
       }
       if constexpr (kHasOffsets<kType>)
         for (int i = 0; i < kOut; ++i)
@@ -335,7 +341,7 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
 template <int64_t kType, int R, typename T>
 void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t r0, int64_t out,
               T* y) {
-  constexpr int kOut = tile_out<R>();
+  constexpr int kOut = tile_out<kType, R>();
   const int64_t groups = (out + kOut - 1) / kOut;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {

@@ -91,7 +91,7 @@ def step_fits(ctx: ForwardContext, x: torch.Tensor, backend, dtype: torch.dtype)
     integer-dot kernel for its matmuls, the native attention, rope plans and caches in x's dtype."""
     if x.dtype != dtype or backend.native is None or ctx.attn.num_prefill_seqs:
         return False
-    if not (quant.integer_dots() and quant.few_rows_step(x.shape[0], x.dtype)):
+    if not (quant.integer_dots() and quant.few_rows_step(x.shape[0])):
         return False
     plans_fit = all(
         p.cos.dtype == p.sin.dtype == dtype and p.cos.is_contiguous() and p.sin.is_contiguous()

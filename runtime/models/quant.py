@@ -35,8 +35,8 @@ Q = gguf.GGMLQuantizationType
 NATIVE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 TRITON_TYPES = NATIVE_TYPES  # kernels/triton_gguf.py's
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
-DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel; more dequantize tiles
-BF16_DECODE_ROWS = 3  # the same where quant_gemm takes bfloat16 rows: it wins from 4
+DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel (one pass: kMaxRows with
+# AVX-512); more dequantize tiles (quant_gemm for bfloat16: at 4-6 rows it took 1.5-1.8x longer)
 SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2): dequantizing a tile is
 # scalar there, and quant_dot, a pass per 4 rows, stays faster up to about 48 rows
 TILE_VALUES = 1 << 20  # dequantized values per tile (2 MiB in bfloat16: stays in L2)
@@ -112,17 +112,15 @@ def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0):
         _STEP.has_prompt_rows, _STEP.drafted_seqs = previous
 
 
-def integer_dot_rows(dtype: torch.dtype) -> int:
-    """At most this many rows of `dtype` run the few-rows kernel (quant_dot or quant_matmul)."""
-    if dtype == torch.bfloat16 and bf16_tiles():
-        return BF16_DECODE_ROWS
+def integer_dot_rows() -> int:
+    """At most this many rows run the few-rows kernel (quant_dot or quant_matmul)."""
     return DECODE_ROWS if vector_dequantize() else SCALAR_DEQUANTIZE_DECODE_ROWS
 
 
-def few_rows_step(rows: int, dtype: torch.dtype) -> bool:
+def few_rows_step(rows: int) -> bool:
     """The running step's quantized matmuls of `rows` rows take the few-rows kernel."""
     counted = _STEP.drafted_seqs or rows
-    return counted <= integer_dot_rows(dtype) and not _STEP.has_prompt_rows
+    return counted <= integer_dot_rows() and not _STEP.has_prompt_rows
 
 
 @functools.cache
@@ -238,7 +236,7 @@ class QuantizedWeight(nn.Module):
         if self._on_gpu():
             return _triton_gguf().gguf_matmul(rows, self.gpu_planes(), quantized)
         ops = self._native()
-        if ops is not None and few_rows_step(rows.shape[0], rows.dtype):
+        if ops is not None and few_rows_step(rows.shape[0]):
             kernel = ops.quant_dot if integer_dots() else ops.quant_matmul
             return kernel(
                 rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features

@@ -3,9 +3,13 @@ the target's tokenizer, loaded as the target is (runtime.models.loader: same dev
 quantization) and run through the same attention backend over its own paged KV cache.
 
 Its cache is its own pool of blocks, as many token slots as the target's cache plus a few drafts
-per row; the engine's block manager and prefix cache never see them. A row's blocks are taken
-when it first drafts and given back when its request finishes, is aborted or is preempted
-(`DraftModelProposer.release`); a resumed row catches up again from its first token.
+per row; the engine's block manager never sees them. The pool has a prefix cache of its own
+(scheduler/block_pool.py, the target's kind): a full block of a row's true tokens (never a
+draft) is registered under the chain hash the target's cache would give it, so a new row whose
+prompt starts as an earlier one's does (a system prompt, a conversation's next turn, the same
+request again) catches up only on the rest. A row's blocks are taken when it first drafts and
+given back when its request finishes, is aborted or is preempted (`DraftModelProposer.release`);
+a resumed row finds its own registered blocks again.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from runtime.models.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from runtime.models.loader import ModelSource, load_model, open_model
 from runtime.models.tokenizer import Tokenizer
+from scheduler.block_pool import CachedBlockPool
 
 # encoded by both tokenizers: code, prose, digits, accents, an emoji, a chat turn's specials
 TOKENIZER_PROBE = (
@@ -73,6 +78,7 @@ def load_draft_model(config, target, tokenizer: Tokenizer) -> DraftModel:
         target.dtype,
         target.device,
         config.quantization if config.draft_quantization == "auto" else config.draft_quantization,
+        prefix_caching=config.enable_prefix_caching,
     )
 
 
@@ -80,32 +86,6 @@ def draft_cache_blocks(config, num_target_blocks: int) -> int:
     """As many token slots as the target's cache, plus each row's drafts fed back past it."""
     drafts_per_row = -(-config.num_speculative_tokens // config.block_size) + 1
     return num_target_blocks + config.max_num_seqs * drafts_per_row
-
-
-class BlockPool:
-    """The draft cache's block ids: a free list; no refcounts, no hashes (no prefix cache)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.free_ids = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_ids)
-
-    def grow(self, block_ids: list[int], num_blocks: int) -> bool:
-        """Extend block_ids to num_blocks blocks; False (and nothing taken) when too few are
-        free."""
-        missing = num_blocks - len(block_ids)
-        if missing > len(self.free_ids):
-            return False
-        for _ in range(max(0, missing)):
-            block_ids.append(self.free_ids.pop())
-        return True
-
-    def free(self, block_ids: list[int]) -> None:
-        self.free_ids.extend(reversed(block_ids))
-        block_ids.clear()
 
 
 @dataclass(slots=True)
@@ -128,12 +108,14 @@ class DraftModel:
         dtype: torch.dtype,
         device: torch.device,
         quantization: str = "gguf",
+        prefix_caching: bool = True,
     ) -> None:
         self.device, self.block_size = device, block_size
+        self.prefix_caching = prefix_caching
         self.model_config = mc = source.config
         self.backend = AttentionBackend(device, block_size, dtype)
         self.model = load_model(source, mc, dtype, device, self.backend, quantization)
-        self.pool = BlockPool(num_blocks)
+        self.pool = CachedBlockPool(num_blocks)
         shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
         # per layer [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_caches = [

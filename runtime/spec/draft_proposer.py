@@ -7,7 +7,9 @@ the row's tokens; what the target rejected is rolled back by counting fewer toke
 and the catch-up writes the true ones over them. The catch-up's last position gives the first
 draft, so a row with k drafts costs its catch-up and k - 1 one-token steps. The catch-ups of a
 call share a token budget (the engine's --max-batch-tokens), as prefill chunks do: a row with a
-long prompt to catch up on takes it in chunks over several steps, without drafts until done.
+long prompt to catch up on takes it in chunks over several steps, without drafts until done. A
+new row starts from the longest prefix the draft cache holds (draft_model.py), and every full
+block of true tokens it writes is registered there.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import torch
 
 from runtime.spec.draft_model import Chunk, DraftModel
 from runtime.spec.policy import DraftCost
+from scheduler.block_pool import chain_hashes
 from scheduler.request import Request
 
 
 @dataclass
 class DraftRow:
-    """What a row's draft cache holds: num_computed tokens, the last len(tail) of them drafts."""
+    """What a row's draft cache holds: num_computed tokens, the last len(tail) of them drafts;
+    the hashes of its first full blocks of true tokens, registered in the cache."""
 
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     tail: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
 
     def num_valid(self, token_ids: list[int]) -> int:
         """Tokens of the row's history whose KV the cache holds (the tail's accepted drafts)."""
@@ -85,6 +90,7 @@ class DraftModelProposer:
         for plan, draft in zip(active, drafts):
             plan.row.num_computed = plan.end + max(plan.k - 1, 0)
             plan.row.tail = draft[: plan.k - 1]
+            self._register(plan)
         self._observe_cost(active, time.perf_counter() - started)
         by_plan = {id(plan): draft for plan, draft in zip(active, drafts)}
         return [by_plan.get(id(plan), []) for plan in plans]
@@ -94,15 +100,49 @@ class DraftModelProposer:
         k = min(k, self.num_speculative_tokens, self.draft.max_len - len(token_ids) + 1)
         if k <= 0 or budget <= 0:
             return None
-        row = self.rows.setdefault(request.request_id, DraftRow())
+        row = self.rows.get(request.request_id) or self._new_row(request.request_id, token_ids)
         start = min(row.num_valid(token_ids), len(token_ids) - 1)  # the last token: always fed
         end = min(len(token_ids), start + budget)
         if end < len(token_ids):
             k = 0  # a chunk of a long catch-up
         num_slots = end + max(k - 1, 0)  # the catch-up, then k - 1 drafts fed back
-        if not self.draft.pool.grow(row.block_ids, -(-num_slots // self.draft.block_size)):
+        if not self._grow(row, -(-num_slots // self.draft.block_size)):
             return None
         return RowPlan(row, token_ids, start, end, k)
+
+    def _new_row(self, request_id: str, token_ids: list[int]) -> DraftRow:
+        """A row starting from the longest cached prefix of its tokens (its last token left to
+        compute: it gives the first draft)."""
+        row = self.rows[request_id] = DraftRow()
+        if self.draft.prefix_caching:
+            num_full = (len(token_ids) - 1) // self.draft.block_size
+            chain_hashes(
+                token_ids, self.draft.block_size, num_full * self.draft.block_size, row.block_hashes
+            )
+            for block_id in self.draft.pool.lookup(row.block_hashes):
+                self.draft.pool.touch(block_id)
+                row.block_ids.append(block_id)
+            row.num_computed = len(row.block_ids) * self.draft.block_size
+        return row
+
+    def _grow(self, row: DraftRow, num_blocks: int) -> bool:
+        """Extend the row's blocks to num_blocks; False (and nothing taken) when too few are
+        free."""
+        missing = num_blocks - len(row.block_ids)
+        if missing > self.draft.pool.num_free_blocks:
+            return False
+        row.block_ids.extend(self.draft.pool.take() for _ in range(missing))
+        return True
+
+    def _register(self, plan: RowPlan) -> None:
+        """The full blocks of the row's true tokens (those before its drafts) into the cache."""
+        if not self.draft.prefix_caching:
+            return
+        row, block_size = plan.row, self.draft.block_size
+        chain_hashes(plan.token_ids, block_size, plan.end, row.block_hashes)
+        first = plan.start // block_size  # those before: registered by an earlier call
+        for i in range(first, plan.end // block_size):
+            self.draft.pool.register(row.block_ids[i], row.block_hashes[i])
 
     def _run(self, plans: list[RowPlan]) -> list[list[int]]:
         """plans: sorted by k, largest first, so the rows of each decode step are a prefix."""
@@ -135,4 +175,5 @@ class DraftModelProposer:
         """The request finished, was aborted or preempted: its draft blocks go back."""
         row = self.rows.pop(request_id, None)
         if row is not None:
-            self.draft.pool.free(row.block_ids)
+            for block_id in reversed(row.block_ids):
+                self.draft.pool.release(block_id)
