@@ -6,8 +6,9 @@ One engine in one process runs every point: for each workload and concurrency C,
 workload's prompt run together (`Engine.generate`, greedy, `ignore_eos`), in three modes back to
 back, --repeats rounds, the fastest of each kept: off (the scheduler's drafter removed), the
 policy (the engine's own), fixed k (every row that may speculate gets --num-speculative-tokens
-drafts). The prompt's prefix is cached first, so that no mode pays its prefill alone. Reports output tok/s, the speedup over
-off, the acceptance rate and the k the policy chose, as a table and an SVG plot.
+drafts). The prompt's prefix is cached first (the draft model's too), so that no mode pays its
+prefill alone. Reports output tok/s, the speedup over off, the acceptance rate and the k the
+policy chose, as a table and an SVG plot.
 
     conveyor bench spec-sweep --speculative ngram --concurrency 1,4,16 --plot docs/images/spec-sweep.svg
 """
@@ -72,7 +73,7 @@ def sweep(
     points = []
     for workload, text in prompts().items():
         ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        engine.generate([ids], SamplingParams(max_tokens=1))  # every mode gets the cached prefix
+        warm_caches(engine, ids, k)
         for concurrency in concurrencies:
             point = {"workload": workload, "concurrency": concurrency}
             for _ in range(repeats):
@@ -85,6 +86,17 @@ def sweep(
             engine.scheduler.drafter, engine.speculator.policy = drafter, policy
             points.append(point)
     return points
+
+
+def warm_caches(engine: Engine, ids: list[int], k: int) -> None:
+    """Every mode gets the prompt's prefix cached, the target's and a draft model's (a fixed-k
+    request of a few tokens makes the draft catch up on the prompt)."""
+    policy = engine.speculator.policy
+    engine.speculator.policy = FixedK(k)
+    try:
+        engine.generate([ids], SamplingParams(max_tokens=3, temperature=0.0))
+    finally:
+        engine.speculator.policy = policy
 
 
 def table(points: list[dict]) -> str:

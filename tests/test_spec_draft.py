@@ -14,7 +14,7 @@ from runtime.engine import Engine
 from runtime.models import catalog
 from runtime.spec.draft_model import DraftTokenizerMismatch
 from runtime.spec.draft_proposer import DraftModelProposer
-from runtime.spec.policy import FixedK
+from runtime.spec.policy import DraftCost, FixedK
 from scheduler.block_pool import chain_hashes
 from scheduler.request import Request, SamplingParams
 
@@ -266,6 +266,25 @@ def test_a_repeated_prompt_speculates_the_same_tokens_from_the_cache(tiny_cached
     for _ in range(2):  # the second round finds the prompts in both caches
         assert run(tiny_cached, prompts, params, speculate=True) == plain
     assert tiny_cached.speculator.proposer.draft.pool.cached_blocks
+
+
+def test_the_draft_cost_is_measured_on_steady_steps_only(tiny_cached):
+    """A draft token's price is that of a steady step, whose rows catch up on the one or two
+    tokens a verify leaves; a prompt's catch-up, or a row back after steps without drafts, is a
+    forward pass over many tokens and is not priced per draft."""
+    cost = DraftCost()
+    proposer = DraftModelProposer(tiny_cached.speculator.proposer.draft, 4, cost)
+    request = Request("steady", [7 + i % 20 for i in range(37)])
+    drafts = proposer.propose_rows([request], [4])[0]
+    assert cost.seconds_per_token == 0.0  # the prompt's catch-up
+    request.output_token_ids += [*drafts[:2], (drafts[2] + 1) % 90]  # two accepted, then another
+    proposer.propose_rows([request], [4])
+    steady = cost.seconds_per_token
+    assert steady > 0.0
+    request.output_token_ids += [11, 12, 13, 14, 15]  # steps without drafts
+    proposer.propose_rows([request], [4])
+    assert cost.seconds_per_token == steady
+    proposer.release("steady")
 
 
 @pytest.mark.parametrize("draft", ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"])
