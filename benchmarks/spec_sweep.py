@@ -172,6 +172,7 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="as `conveyor serve --model` (default model)")
     p.add_argument("--speculative", default="ngram", choices=["ngram", "draft"])
     p.add_argument("--draft-model", default=None)
+    p.add_argument("--draft-prompt-lookup", action="store_true", help="as `conveyor serve`'s")
     p.add_argument("--num-speculative-tokens", type=int, default=5)
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
@@ -183,7 +184,8 @@ def register(sub) -> None:
 
 def cmd_spec_sweep(args: argparse.Namespace) -> int:
     fields = {"speculative": args.speculative, "draft_model": args.draft_model,
-              "num_speculative_tokens": args.num_speculative_tokens}  # fmt: skip
+              "num_speculative_tokens": args.num_speculative_tokens,
+              "draft_prompt_lookup": args.draft_prompt_lookup}  # fmt: skip
     if args.model:
         fields["model"] = args.model
     engine = Engine(EngineConfig(**fields))

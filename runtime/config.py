@@ -113,6 +113,12 @@ class EngineConfig(BaseModel):
         description="--speculative draft: the draft model (HF dir, .gguf or a known name), "
         "with the target's tokenizer",
     )
+    draft_prompt_lookup: bool = Field(
+        False,
+        description="--speculative draft: a row whose last 3 or more tokens occurred before "
+        "drafts the tokens that followed them (prompt lookup, free), the draft model only where "
+        "no such match is found",
+    )
     draft_quantization: Literal["auto", "gguf", "none"] = Field(
         "auto",
         description="--speculative draft: the draft model's weights, as --quantization (auto: "

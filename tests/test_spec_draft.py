@@ -15,6 +15,7 @@ from runtime.models import catalog
 from runtime.spec.draft_model import DraftTokenizerMismatch
 from runtime.spec.draft_proposer import DraftModelProposer
 from runtime.spec.policy import DraftCost, FixedK
+from runtime.spec.proposer import NgramConfig, NgramProposer
 from scheduler.block_pool import chain_hashes
 from scheduler.request import Request, SamplingParams
 
@@ -285,6 +286,31 @@ def test_the_draft_cost_is_measured_on_steady_steps_only(tiny_cached):
     proposer.propose_rows([request], [4])
     assert cost.seconds_per_token == steady
     proposer.release("steady")
+
+
+def test_prompt_lookup_drafts_first_and_the_model_where_nothing_matches(tiny_cached):
+    """--draft-prompt-lookup: a row whose last 3 tokens occurred before takes the k tokens that
+    followed them without a forward pass; a row without such a match drafts with the model, and
+    its cache catches up later on what lookup served."""
+    draft = tiny_cached.speculator.proposer.draft
+    lookup = NgramProposer(NgramConfig(3, 4, 4))
+    proposer = DraftModelProposer(draft, 4, lookup=lookup)
+    phrase = [21, 22, 23, 24, 25, 26, 27, 28]
+    repeating = Request("repeats", [5, 6, *phrase, 9, 10, *phrase[:3]])
+    fresh = Request("fresh", [30 + i for i in range(20)])
+    drafts = proposer.propose_rows([repeating, fresh], [4, 4])
+    assert drafts[0] == phrase[3:7]
+    assert "repeats" not in proposer.rows  # no forward pass for it
+    model_only = DraftModelProposer(draft, 4)
+    alone = model_only.propose_rows([fresh], [4])[0]
+    model_only.release("fresh")
+    assert drafts[1] == alone and len(alone) == 4
+    repeating.output_token_ids += [29, 31, 32]  # the match runs out: the model drafts
+    drafts = proposer.propose_rows([repeating], [4])[0]
+    assert len(drafts) == 4 and proposer.rows["repeats"].num_computed == repeating.num_tokens + 3
+    for request_id in ("repeats", "fresh"):
+        proposer.release(request_id)
+    assert draft.pool.num_free_blocks == draft.pool.num_blocks
 
 
 @pytest.mark.parametrize("draft", ["gemma-3-270m", "qwen2.5-coder-0.5b-instruct"])

@@ -9,7 +9,9 @@ draft, so a row with k drafts costs its catch-up and k - 1 one-token steps. The 
 call share a token budget (the engine's --max-batch-tokens), as prefill chunks do: a row with a
 long prompt to catch up on takes it in chunks over several steps, without drafts until done. A
 new row starts from the longest prefix the draft cache holds (draft_model.py), and every full
-block of true tokens it writes is registered there.
+block of true tokens it writes is registered there. With --draft-prompt-lookup a row whose last
+tokens occurred before takes the k tokens that followed them instead (no forward pass); its
+draft cache catches up the next time the model drafts for it.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from runtime.spec.draft_model import Chunk, DraftModel
 from runtime.spec.policy import DraftCost
+from runtime.spec.proposer import NgramProposer
 from scheduler.block_pool import chain_hashes
 from scheduler.request import Request
 
@@ -68,16 +72,38 @@ class DraftModelProposer:
         num_speculative_tokens: int,
         cost: DraftCost | None = None,
         max_catch_up_tokens: int = 2048,
+        lookup: NgramProposer | None = None,
     ) -> None:
         self.draft = draft
         self.num_speculative_tokens = num_speculative_tokens
         self.max_catch_up_tokens = max_catch_up_tokens
         self.cost = cost if cost is not None else DraftCost()
         self.rows: dict[str, DraftRow] = {}  # request id -> its draft cache
+        self.lookup = lookup  # prompt lookup tried first (--draft-prompt-lookup)
 
     def propose_rows(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
         """requests[i] wants up to ks[i] drafts. -> drafts per row (empty: k = 0, or no room in
         the draft cache or the draft model's length)."""
+        drafts = [self._looked_up(request, k) for request, k in zip(requests, ks)]
+        pending = [i for i, draft in enumerate(drafts) if draft is None]
+        if pending:
+            modelled = self._propose_with_model(
+                [requests[i] for i in pending], [ks[i] for i in pending]
+            )
+            for i, draft in zip(pending, modelled):
+                drafts[i] = draft
+        return drafts
+
+    def _looked_up(self, request: Request, k: int) -> list[int] | None:
+        """The k tokens that followed an earlier occurrence of the row's last tokens, or None."""
+        if self.lookup is None or k <= 0:
+            return None
+        found = self.lookup.propose_one(np.asarray(request.all_token_ids), k)
+        return found.tolist() if len(found) == k else None
+
+    def _propose_with_model(
+        self, requests: Sequence[Request], ks: Sequence[int]
+    ) -> list[list[int]]:
         started = time.perf_counter()
         plans, budget = [], self.max_catch_up_tokens
         for request, k in zip(requests, ks):

@@ -25,6 +25,8 @@ from runtime.spec.stats import SpecDecodeStats
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, SamplingParams
 
+DRAFT_LOOKUP_MIN_NGRAM = 3  # --draft-prompt-lookup: the shortest match that replaces the model
+
 
 def can_speculate(params: SamplingParams) -> bool:
     """Rows the verifier serves: no penalties (they depend on the tokens before each position),
@@ -176,6 +178,12 @@ def make_speculator(config, target=None, tokenizer=None) -> Speculator | None:
         step_cost = StepCostModel(keep_drafted_apart=True)
         policy = SpeculationPolicy(k, step_cost, AcceptanceTracker(), draft_cost=cost)
         draft = load_draft_model(config, target, tokenizer)
-        proposer = DraftModelProposer(draft, k, cost, max_catch_up_tokens=config.max_batch_tokens)
+        lookup = None
+        if config.draft_prompt_lookup:
+            longest = max(DRAFT_LOOKUP_MIN_NGRAM, config.ngram_max)
+            lookup = NgramProposer(NgramConfig(DRAFT_LOOKUP_MIN_NGRAM, longest, k))
+        proposer = DraftModelProposer(
+            draft, k, cost, max_catch_up_tokens=config.max_batch_tokens, lookup=lookup
+        )
         return Speculator(k, proposer, policy)
     raise NotImplementedError(f"--speculative {config.speculative} is not served yet")
