@@ -169,6 +169,7 @@ class Engine:
         )
         self.outputs: dict[str, OutputState] = {}  # request id -> what its outputs carried
         self.num_steps = 0
+        self.num_output_tokens = 0  # kept output tokens of every request, since the start
         self.async_scheduling = config.resolved_async_scheduling()
         self.async_output = config.resolved_async_output() and not self.async_scheduling
         self.pipeline: deque[PipelineStep] = deque()  # oldest first
@@ -322,6 +323,7 @@ class Engine:
         self.num_steps += launched.host is not None  # a step with nothing to run is no step
         tokens = {rid: token_ids for rid, (token_ids, _) in sampled.items()}
         advanced = self.scheduler.update_from_output(out, tokens)
+        self.num_output_tokens += sum(num_kept for _, num_kept in advanced)
         if launched.host is not None and launched.host.has_grammar:
             for request in self.structured.advance(advanced):  # its grammar is complete
                 self.scheduler.finish_with_event(request, RequestStatus.FINISHED_STOPPED)

@@ -121,6 +121,7 @@ class EngineSnapshot:
     num_preemptions: dict[str, int]
     num_steps: int
     mean_step_time_s: float | None
+    num_output_tokens: int = 0  # since the engine started
     spec_decode: dict | None = None  # runtime.spec.stats snapshot; None: speculation off
 
     @property
@@ -154,6 +155,7 @@ class EngineSnapshot:
             num_preemptions=dict(scheduler.num_preemptions),
             num_steps=engine.num_steps,
             mean_step_time_s=sum(step_times) / len(step_times) if step_times else None,
+            num_output_tokens=engine.num_output_tokens,
             spec_decode=engine.speculator.stats.snapshot() if engine.speculator else None,
         )
 

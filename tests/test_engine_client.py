@@ -71,6 +71,18 @@ async def test_snapshot_shows_what_runs_and_is_a_copy(engine, client):
     assert snapshot.running == (running,)  # the earlier snapshot did not change under us
 
 
+async def test_snapshot_counts_every_output_token_even_of_requests_already_gone(engine, client):
+    """The console's tokens/s is the change of this count between two reads: requests that
+    start and finish between them count too (the sequences in both reads would miss them)."""
+    before = (await client.snapshot()).num_output_tokens
+    streamed = 0
+    for n in (5, 3, 1):
+        async for output in client.submit([4, 5, 6], greedy(n)):
+            streamed += len(output.new_token_ids)
+    after = await client.snapshot()
+    assert after.running == () and streamed == 9 and after.num_output_tokens - before == 9
+
+
 async def test_abort_all_ends_every_open_stream(engine, client):
     streams = [client.submit([3, 4] * 5, greedy(400), request_id=f"all-{i}") for i in range(3)]
     for stream in streams:

@@ -124,6 +124,10 @@ class EngineState(BaseModel):
     steps_per_s: float | None = Field(description="engine steps per second, last 10 s")
     mean_step_time_s: float | None = Field(description="mean of the last 100 steps")
     num_steps: int
+    num_output_tokens: int = Field(
+        description="output tokens generated since the engine started (a rate's numerator: "
+        "sequences that start and end between two reads count too)"
+    )
     num_preemptions: dict[str, int]
     prefix_cache_hit_rate: float | None
     num_inflight_requests: int = Field(description="HTTP requests being served")
@@ -182,6 +186,7 @@ async def engine_state_of(app: Any) -> EngineState:
         steps_per_s=app[METRICS].step_rate.rate(),
         mean_step_time_s=snapshot.mean_step_time_s,
         num_steps=snapshot.num_steps,
+        num_output_tokens=snapshot.num_output_tokens,
         num_preemptions=snapshot.num_preemptions,
         prefix_cache_hit_rate=snapshot.num_prefix_hits / queries if queries else None,
         num_inflight_requests=len(state.inflight),

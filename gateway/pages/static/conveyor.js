@@ -84,7 +84,11 @@
   }
 
   function tokensGenerated(previous, engine) {
-    // output tokens added since the previous refresh, by sequences seen both times
+    // output tokens added since the previous refresh: the engine's count; without it (an older
+    // replica), those of the sequences seen both times
+    if (engine.num_output_tokens !== undefined && previous.num_output_tokens !== undefined) {
+      return Math.max(0, engine.num_output_tokens - previous.num_output_tokens);
+    }
     const before = new Map(sequencesOf(previous).map((s) => [s.sequence_id, s.num_output_tokens]));
     let total = 0;
     for (const s of sequencesOf(engine)) {
