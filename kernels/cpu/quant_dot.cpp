@@ -7,9 +7,10 @@
 //            file: ggml-common.h's block structs, little-endian, half-precision scales)
 //   returns  [rows, out] in x's dtype: y = x @ dequantize(weight)^T, x rounded per group
 //
-// Method. Each row of x is quantized once per call, per group of the weight's block (32 values;
-// 256 for the K-quants): xq = round(x / dx) in [-32767, 32767], dx = max|x| / 32767, so x is
-// represented to 1.5e-5 of its group's largest value. The weights are unpacked per sub-block of
+// Method. Each row of x is quantized once per call, per group (a K-quant's block of 256 values;
+// for the other types the most of 256, 128, 64 and 32 that divides a row): xq = round(x / dx) in
+// [-32767, 32767], dx = max|x| / 32767, so x is represented to 1.5e-5 of its group's largest
+// value. The weights are unpacked per sub-block of
 // 32 into 16-bit integers w16 with everything integer in the type folded in: the zero point
 // (Q4_0: u - 8, Q6_K: u - 32) and a K-quant's sub-block scale (Q4_K: sc_j * u; Q6_K: sc * (u - 32),
 // one sc per 16 values). Then per sub-block one vpdpwssd (AVX-512 VNNI: 16 int32 lanes of 2
@@ -29,14 +30,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "gguf_blocks.h"
-#ifndef CONVEYOR_SPARE
-#define CONVEYOR_SPARE 4
-#endif
 
 namespace {
 
@@ -265,13 +262,15 @@ inline __m256 offset_sums(const QuantizedRows& xq, int64_t row, int64_t subs, in
 template <int64_t kType>
 constexpr int kChunkSubs = kSubsPerBlock<kType> < kFlushSubs ? kSubsPerBlock<kType> : kFlushSubs;
 
+constexpr int kSpareRegisters = 4;  // x's loads, a block's scales, masks
+
 // weight rows a tile reads side by side: as many as the registers hold with R rows of x beside
 // a chunk's unpacked weights (a float accumulator per pair; two where blocks sum per group)
 template <int64_t kType, int R>
 constexpr int tile_out() {
   constexpr int unpacked = kChunkSubs<kType> * static_cast<int>(sizeof(W16) / sizeof(IntSum));
   constexpr int per_pair = kSubsPerBlock<kType> > 1 ? 1 : 2;
-  constexpr int fit = (kRegisters - CONVEYOR_SPARE - unpacked) / (per_pair * R);
+  constexpr int fit = (kRegisters - kSpareRegisters - unpacked) / (per_pair * R);
   return fit >= 8 ? 8 : fit >= 4 ? 4 : fit < 1 ? 1 : fit;
 }
 
