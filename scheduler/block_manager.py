@@ -25,10 +25,7 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = CachedBlockPool(num_gpu_blocks)
-        # the pool's, by their names: refcounts, free blocks, hash -> block id, block -> hash
-        self.ref_counts, self.free_blocks = self.pool.ref_counts, self.pool.free_blocks
-        self.cached_blocks, self.block_hash = self.pool.cached_blocks, self.pool.block_hash
+        self.pool = CachedBlockPool(num_gpu_blocks)  # the GPU blocks
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.num_prefix_queries = 0  # tokens looked up
         self.num_prefix_hits = 0  # tokens found
@@ -36,7 +33,7 @@ class BlockManager:
     # ---- accounting -------------------------------------------------------------------------
     @property
     def num_free_gpu_blocks(self) -> int:
-        return len(self.free_blocks)
+        return self.pool.num_free_blocks
 
     @property
     def num_free_cpu_blocks(self) -> int:
@@ -67,7 +64,7 @@ class BlockManager:
         return max(0, total - len(request.block_ids) - num_cached)
 
     def can_allocate(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
-        num_evictable_hits = sum(1 for b in cached if self.ref_counts[b] == 0)
+        num_evictable_hits = sum(1 for b in cached if self.pool.ref_counts[b] == 0)
         needed = self.num_blocks_needed(request, num_new_tokens, len(cached))
         return needed + num_evictable_hits <= self.num_free_gpu_blocks
 
@@ -98,8 +95,7 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Release the request's GPU blocks, last block first out of the cache."""
-        for block_id in reversed(request.block_ids):
-            self.pool.release(block_id)
+        self.pool.free(request.block_ids)
         request.block_ids = []
         self.free_cpu(request)
 

@@ -74,6 +74,11 @@ class CachedBlockPool:
             del self.free_blocks[block_id]
         self.ref_counts[block_id] += 1
 
+    def free(self, block_ids: Sequence[int]) -> None:
+        """One reference fewer to each of a sequence's blocks, last first out of the cache."""
+        for block_id in reversed(block_ids):
+            self.release(block_id)
+
     def release(self, block_id: int, reuse_first: bool = False) -> None:
         """One reference fewer; at none the block is free (reuse_first: the next to be taken)."""
         self.ref_counts[block_id] -= 1

@@ -41,8 +41,8 @@ def check_blocks(scheduler: Scheduler) -> None:
     live = [r for r in scheduler.running + scheduler.waiting + scheduler.swapped]
     refs = Counter(b for r in live for b in r.block_ids)
     for block_id in range(bm.num_gpu_blocks):
-        assert bm.ref_counts[block_id] == refs[block_id], f"block {block_id} refcount drifted"
-        assert (block_id in bm.free_blocks) == (refs[block_id] == 0)
+        assert bm.pool.ref_counts[block_id] == refs[block_id], f"block {block_id} refcount drifted"
+        assert (block_id in bm.pool.free_blocks) == (refs[block_id] == 0)
     cpu_held = [b for r in live for b in r.cpu_block_ids]
     assert len(cpu_held) == len(set(cpu_held)), "a CPU block is held twice"
     assert sorted(cpu_held + bm.free_cpu_blocks) == list(range(bm.num_cpu_blocks))

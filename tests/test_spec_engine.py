@@ -117,8 +117,8 @@ def test_drafts_never_enter_the_prefix_cache_and_give_rejected_slots_back(drafti
         bm = drafting.block_manager
         if not request.is_finished:  # between steps: no block past its tokens
             assert len(request.block_ids) <= bm.num_blocks_for(request.num_tokens)
-    hashes = {h for h in bm.block_hash if h is not None}
-    assert len(hashes) == len(bm.cached_blocks)
+    hashes = {h for h in bm.pool.block_hash if h is not None}
+    assert len(hashes) == len(bm.pool.cached_blocks)
     assert request.num_draft_tokens > 0
     finished = request.events[-1]  # the audit trail's counts
     assert finished.kind == "finished"

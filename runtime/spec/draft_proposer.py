@@ -20,12 +20,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from runtime.spec.draft_model import Chunk, DraftModel
 from runtime.spec.policy import DraftCost
-from runtime.spec.proposer import NgramProposer
+from runtime.spec.proposer import NgramProposer, history_of
 from scheduler.block_pool import chain_hashes
 from scheduler.request import Request
 
@@ -98,7 +97,7 @@ class DraftModelProposer:
         """The k tokens that followed an earlier occurrence of the row's last tokens, or None."""
         if self.lookup is None or k <= 0:
             return None
-        found = self.lookup.propose_one(np.asarray(request.all_token_ids), k)
+        found = self.lookup.propose_one(history_of(request), k)
         return found.tolist() if len(found) == k else None
 
     def _propose_with_model(
@@ -207,5 +206,4 @@ class DraftModelProposer:
         """The request finished, was aborted or preempted: its draft blocks go back."""
         row = self.rows.pop(request_id, None)
         if row is not None:
-            for block_id in reversed(row.block_ids):
-                self.draft.pool.release(block_id)
+            self.draft.pool.free(row.block_ids)

@@ -31,6 +31,11 @@ class NgramConfig:
             )
 
 
+def history_of(request) -> np.ndarray:
+    """A request's (scheduler.request.Request) tokens, prompt then output, as int64 ids."""
+    return np.array(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
+
+
 class NgramProposer:
     def __init__(self, config: NgramConfig):
         self.config = config

@@ -9,8 +9,6 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
-
 from runtime.spec.draft_model import load_draft_model
 from runtime.spec.draft_proposer import DraftModelProposer
 from runtime.spec.policy import (
@@ -20,7 +18,7 @@ from runtime.spec.policy import (
     SpeculationPolicy,
     StepCostModel,
 )
-from runtime.spec.proposer import NgramConfig, NgramProposer
+from runtime.spec.proposer import NgramConfig, NgramProposer, history_of
 from runtime.spec.stats import SpecDecodeStats
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, SamplingParams
@@ -158,10 +156,6 @@ def is_decode_only(out: SchedulerOutput) -> bool:
     thousands of tokens priced the next token of a decode far too cheap (its cost is a matmul's,
     a decode's is the weights read)."""
     return out.num_scheduled_tokens == len(out.scheduled)
-
-
-def history_of(request: Request) -> np.ndarray:
-    return np.array(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
 
 
 def make_speculator(config, target=None, tokenizer=None) -> Speculator | None:
