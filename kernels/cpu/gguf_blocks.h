@@ -155,6 +155,16 @@ inline SubBlock q6_k_sub(float d, const uint8_t* b, int j) {
 // bytes of a K-quant's super-block
 constexpr int64_t kQ4kBytes = 144, kQ5kBytes = 176, kQ6kBytes = 210;
 
+// bytes of a block of the type (a K-quant's super-block)
+template <int64_t kType>
+constexpr int64_t kBlockBytes = kType == Q4_0   ? 18
+                                : kType == Q4_1 ? 20
+                                : kType == Q5_0 ? 22
+                                : kType == Q8_0 ? 34
+                                : kType == Q4_K ? kQ4kBytes
+                                : kType == Q5_K ? kQ5kBytes
+                                                : kQ6kBytes;
+
 template <int64_t kType>
 constexpr int kSubsPerBlock = kType == Q4_K || kType == Q5_K || kType == Q6_K ? 8 : 1;
 
@@ -175,10 +185,10 @@ inline void q6_k_subs(const uint8_t* b, int64_t s, Visit&& visit) {
 template <typename Visit>
 inline void visit_row(int64_t type, const uint8_t* row, int64_t in, Visit&& visit) {
   switch (type) {
-    case Q4_0: for (int64_t s = 0; s < in / 32; ++s) visit(q4_0_sub(row + s * 18), s); break;
-    case Q4_1: for (int64_t s = 0; s < in / 32; ++s) visit(q4_1_sub(row + s * 20), s); break;
-    case Q5_0: for (int64_t s = 0; s < in / 32; ++s) visit(q5_0_sub(row + s * 22), s); break;
-    case Q8_0: for (int64_t s = 0; s < in / 32; ++s) visit(q8_0_sub(row + s * 34), s); break;
+    case Q4_0: for (int64_t s = 0; s < in / 32; ++s) visit(q4_0_sub(row + s * kBlockBytes<Q4_0>), s); break;
+    case Q4_1: for (int64_t s = 0; s < in / 32; ++s) visit(q4_1_sub(row + s * kBlockBytes<Q4_1>), s); break;
+    case Q5_0: for (int64_t s = 0; s < in / 32; ++s) visit(q5_0_sub(row + s * kBlockBytes<Q5_0>), s); break;
+    case Q8_0: for (int64_t s = 0; s < in / 32; ++s) visit(q8_0_sub(row + s * kBlockBytes<Q8_0>), s); break;
     case Q4_K:
       for (int64_t s = 0; s < in / 256; ++s)
         k4_k5_subs(row + s * kQ4kBytes, row + s * kQ4kBytes + 16, nullptr, s, visit);
@@ -194,10 +204,10 @@ inline void visit_row(int64_t type, const uint8_t* row, int64_t in, Visit&& visi
 
 inline int64_t row_bytes_of(int64_t type, int64_t in) {
   switch (type) {
-    case Q4_0: return in / 32 * 18;
-    case Q4_1: return in / 32 * 20;
-    case Q5_0: return in / 32 * 22;
-    case Q8_0: return in / 32 * 34;
+    case Q4_0: return in / 32 * kBlockBytes<Q4_0>;
+    case Q4_1: return in / 32 * kBlockBytes<Q4_1>;
+    case Q5_0: return in / 32 * kBlockBytes<Q5_0>;
+    case Q8_0: return in / 32 * kBlockBytes<Q8_0>;
     case Q4_K: return in / 256 * kQ4kBytes;
     case Q5_K: return in / 256 * kQ5kBytes;
     case Q6_K: return in / 256 * kQ6kBytes;

@@ -125,15 +125,6 @@ inline float total(FloatSum v) {
 }
 #endif
 
-template <int64_t kType>
-constexpr int64_t kBlockBytes = kType == Q4_0   ? 18
-                                : kType == Q4_1 ? 20
-                                : kType == Q5_0 ? 22
-                                : kType == Q8_0 ? 34
-                                : kType == Q4_K ? kQ4kBytes
-                                : kType == Q5_K ? kQ5kBytes
-                                                : kQ6kBytes;
-
 // what a block's sub-blocks share: its float scale d, a K-quant's sub-block scales and the
 // factors of the float offsets per sub-block (Q4_1: m in lane 0; Q4_K/Q5_K: -dmin * min_j)
 struct BlockHeader {
