@@ -29,6 +29,7 @@ SOURCES = tuple(
         "quant_matmul.cpp",
         "quant_dot.cpp",
         "quant_gemm.cpp",
+        "quant_gemm_int8.cpp",
         "layer_ops.cpp",
         "decode_layer.cpp",
     )

@@ -56,13 +56,22 @@ def x_group(qtype, in_features: int) -> int:
     return next(g for g in (256, 128, 64, 32) if in_features % g == 0)
 
 
-def rounded_to_int16_groups(x: torch.Tensor, qtype) -> torch.Tensor:
-    """x as quant_dot sees it: dx * round(x / dx) per group, dx = max|x| / 32767."""
-    group = x_group(qtype, x.shape[1])
+def rounded_in_groups(x: torch.Tensor, group: int, top: int) -> torch.Tensor:
+    """dx * round(x / dx) per group of a row, dx = max|x| / top, in float32 as the kernels."""
     groups = x.float().reshape(x.shape[0], -1, group)
     amax = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
-    return (torch.round(groups * inverse) * (amax / 32767)).reshape(x.shape)
+    inverse = torch.where(amax > 0, top / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inverse) * (amax / top)).reshape(x.shape)
+
+
+def rounded_to_int16_groups(x: torch.Tensor, qtype) -> torch.Tensor:
+    """x as quant_dot sees it."""
+    return rounded_in_groups(x, x_group(qtype, x.shape[1]), 32767)
+
+
+def rounded_to_int8_groups(x: torch.Tensor, qtype) -> torch.Tensor:
+    """x as quant_gemm_int8 sees it: llama.cpp's Q8_K (256) for K-quants, else Q8_0 (32)."""
+    return rounded_in_groups(x, 256 if qtype in K_QUANTS else 32, 127)
 
 
 @pytest.mark.skipif(not quant.integer_dots(), reason="quant_dot needs x86 with AVX2")
@@ -128,6 +137,69 @@ def test_bf16_tiles_are_the_oracle_on_bfloat16_weights(qtype, rows):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     scale = expected.abs().max().item()  # the only rounding left: the output's to bfloat16
     torch.testing.assert_close(got.float(), expected, atol=1e-3 * scale, rtol=8e-3)
+
+
+needs_int8_tiles = pytest.mark.skipif(
+    not quant.int8_tiles(), reason="quant_gemm_int8 needs AVX-512 VNNI and no AMX"
+)
+
+
+@needs_int8_tiles
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_tiles_are_the_oracle_on_int8_rounded_activations(qtype, rows, dtype):
+    rng = np.random.default_rng(rows * 13 + int(qtype))
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    # 301 weight rows: 2 or 3 tiles, the last ragged, and not a multiple of the 6 a step takes
+    out_features, in_features = 301, block * (8 if block == 32 else 4)
+    blocks = quantized(qtype, out_features, in_features, rng)
+    x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32)).to(dtype)
+    x[0, :256] = 0  # all-zero groups: step 0
+    x[rows - 1, -3] = 40.0  # an outlier: the rest of its group is rounded more coarsely
+    weight = oracle(blocks, qtype, out_features, in_features).double()
+    expected = rounded_to_int8_groups(x, qtype).double() @ weight.T
+    raw = torch.from_numpy(blocks).view(torch.uint8).reshape(out_features, -1)
+    got = native.native_ops().quant_gemm_int8(x, raw, int(qtype), out_features, in_features)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    scale = expected.abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bfloat16: the result's own rounding
+    torch.testing.assert_close(got.double(), expected, atol=tol * scale, rtol=tol)
+
+
+@needs_int8_tiles
+@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q8_0, Q.Q6_K), ids=lambda t: t.name)
+def test_int8_tiles_row_does_not_depend_on_the_rows_beside_it(qtype):
+    """A prompt's rows must round the same in one chunk or a few (step_kind)."""
+    rng = np.random.default_rng(int(qtype) + 9)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    out_features, in_features = 23, block * (3 if block == 32 else 2)
+    blocks = torch.from_numpy(quantized(qtype, out_features, in_features, rng).copy())
+    x = torch.from_numpy(rng.standard_normal((35, in_features)).astype(np.float32)).bfloat16()
+    ops = native.native_ops()
+    together = ops.quant_gemm_int8(x, blocks, int(qtype), out_features, in_features)
+    for start, stop in ((0, 1), (3, 5), (16, 33), (34, 35)):
+        apart = ops.quant_gemm_int8(x[start:stop], blocks, int(qtype), out_features, in_features)
+        assert torch.equal(apart, together[start:stop]), (start, stop)
+
+
+@needs_int8_tiles
+def test_bfloat16_rows_take_int8_tiles_in_prompt_steps_and_full_batches():
+    rng = np.random.default_rng(11)
+    blocks = quantized(Q.Q5_0, 40, 96, rng)
+    linear = QuantizedLinear(blocks, Q.Q5_0, 40, 96)
+    int8 = native.native_ops().quant_gemm_int8
+
+    def int8_of(x):
+        return int8(x, linear.blocks, int(Q.Q5_0), 40, 96)
+
+    decode = torch.randn(quant.INT8_GEMM_ROWS, 96).bfloat16()
+    assert torch.equal(linear(decode), int8_of(decode))
+    few = decode[: quant.INT8_GEMM_ROWS - 1]
+    with quant.step_kind(has_prompt_rows=True):
+        assert torch.equal(linear(few), int8_of(few))
+    if quant.bf16_tiles() and len(few) > quant.integer_dot_rows():  # else quant_dot serves
+        assert not torch.equal(linear(few), int8_of(few))
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)

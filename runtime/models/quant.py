@@ -3,9 +3,10 @@
 The raw blocks stay a uint8 tensor [out_features, row_bytes] (a view of the file's memory map where
 the caller passes one). On CPU with the native kernels built (kernels/native.py) a few rows run
 kernels/cpu/quant_dot.cpp (integer dots, x86) or quant_matmul.cpp (float), which read each weight
-byte once; many rows (prefill, batched decode) in bfloat16 run quant_gemm.cpp (a tile per thread,
-dequantized and multiplied in its L2, AVX-512 BF16); otherwise many rows dequantize tiles of
-output rows and run torch's blocked matmul on them. On CUDA kernels/triton_gguf.py multiplies
+byte once; many rows (prefill, batched decode) in bfloat16 run quant_gemm_int8.cpp (x in 8 bits,
+weights unpacked a tile per thread, vpdpbusd, AVX-512 VNNI) from INT8_GEMM_ROWS rows and for every
+prompt step, and quant_gemm.cpp (tiles dequantized to bfloat16, AVX-512 BF16) below that;
+otherwise many rows dequantize tiles of output rows and run torch's blocked matmul on them. On CUDA kernels/triton_gguf.py multiplies
 (and dequantizes) the blocks; triton is imported only there, on first use. Elsewhere, and for
 types without a kernel, the weight is dequantized with gguf-py (the oracle) and F.linear runs.
 """
@@ -39,6 +40,8 @@ DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel (one pass: 
 # AVX-512); more dequantize tiles (quant_gemm for bfloat16: at 4-6 rows it took 1.5-1.8x longer)
 SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2): dequantizing a tile is
 # scalar there, and quant_dot, a pass per 4 rows, stays faster up to about 48 rows
+INT8_GEMM_ROWS = 16  # from this many rows bfloat16 rows take quant_gemm_int8: it multiplies 16
+# rows at a time, and below 16 the bfloat16 tiles were faster (docs/benchmarks.md)
 TILE_VALUES = 1 << 20  # dequantized values per tile (2 MiB in bfloat16: stays in L2)
 _logged_slow_types: set[Q] = set()
 
@@ -87,6 +90,15 @@ def bf16_tiles() -> bool:
     return ops is not None and ops.quant_gemm_available() and "amx_bf16" not in cpu_flags()
 
 
+@functools.cache
+def int8_tiles() -> bool:
+    """Many bfloat16 rows multiply in kernels/cpu/quant_gemm_int8.cpp (AVX-512 VNNI): x rounded
+    to 8 bits per group as llama.cpp's Q8 activations, twice the products a cycle of
+    vdpbf16ps. Not where the CPU has AMX (torch's matmul is faster there)."""
+    ops = native_ops()
+    return ops is not None and ops.quant_gemm_int8_available() and "amx_bf16" not in cpu_flags()
+
+
 class _StepKind(threading.local):
     has_prompt_rows = False  # the step running on this thread computes prompt tokens
     drafted_seqs = 0  # its sequences, where speculative drafts give them more rows (else 0)
@@ -121,6 +133,28 @@ def few_rows_step(rows: int) -> bool:
     """The running step's quantized matmuls of `rows` rows take the few-rows kernel."""
     counted = _STEP.drafted_seqs or rows
     return counted <= integer_dot_rows() and not _STEP.has_prompt_rows
+
+
+def int8_rows_step(rows: int) -> bool:
+    """The running step's quantized matmuls of `rows` bfloat16 rows take quant_gemm_int8: every
+    prompt step (a prompt's rows round the same in any chunk), and decode steps of at least
+    INT8_GEMM_ROWS sequences."""
+    counted = _STEP.drafted_seqs or rows
+    return _STEP.has_prompt_rows or counted >= INT8_GEMM_ROWS
+
+
+def _native_kernel(ops, rows: torch.Tensor):
+    """The native op that multiplies these rows in the running step, or None (tiles dequantized
+    for torch's matmul)."""
+    if ops is None:
+        return None
+    if few_rows_step(rows.shape[0]):
+        return ops.quant_dot if integer_dots() else ops.quant_matmul
+    if rows.dtype != torch.bfloat16:
+        return None
+    if int8_tiles() and (int8_rows_step(rows.shape[0]) or not bf16_tiles()):
+        return ops.quant_gemm_int8
+    return ops.quant_gemm if bf16_tiles() else None
 
 
 @functools.cache
@@ -235,14 +269,9 @@ class QuantizedWeight(nn.Module):
         gemv_input made of rows (shared by the parts of a projection)."""
         if self._on_gpu():
             return _triton_gguf().gguf_matmul(rows, self.gpu_planes(), quantized)
-        ops = self._native()
-        if ops is not None and few_rows_step(rows.shape[0]):
-            kernel = ops.quant_dot if integer_dots() else ops.quant_matmul
+        kernel = _native_kernel(self._native(), rows)
+        if kernel is not None:
             return kernel(
-                rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features
-            )
-        if ops is not None and rows.dtype == torch.bfloat16 and bf16_tiles():
-            return ops.quant_gemm(
                 rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features
             )
         y = rows.new_empty(rows.shape[0], self.out_features)

@@ -1,0 +1,304 @@
+// GGUF-quantized weights times many rows of activations in 8-bit integers (AVX-512 VNNI).
+//
+// quant_gemm_int8(x, weight, type, out, in) -> [rows, out] in x's dtype (float32 or bfloat16):
+//   y = x8 @ dequantize(weight)^T, x8 = x rounded to 8 bits per group of a row as llama.cpp
+//   rounds its activations: step = max|x| / 127 over a K-quant's block of 256 values (Q8_K),
+//   else over 32 (Q8_0; groups of 64 to 256 doubled SmolLM2's perplexity change to 0.6%).
+//   Integer sums per sub-block are exact; the scales apply in float32.
+// Why: vpdpbusd does 64 products a cycle where vdpbf16ps does 32 (one zmm each a cycle on the
+// AMD EPYC of docs/benchmarks.md): quant_gemm.cpp's bfloat16 tiles ran at 80-95% of their peak.
+// Each thread unpacks a tile of weight rows to their unsigned codes (L2-sized), quantizes
+// nothing else; x is quantized once a call, 16 rows to a vector (a row a lane), so that 4 codes
+// of a weight row are one broadcast and no weights are transposed; 2 row blocks by 6 weight
+// rows: 12 chains of vpdpbusd, enough to hide its latency (4 weight rows ran at half the rate).
+// Oracle: tests/test_quant_kernels.py (x rounded as here, gguf-py's dequantize, float64).
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "gguf_blocks.h"
+
+namespace {
+
+#if defined(CONVEYOR_GGUF_BLOCKS) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__)
+using namespace conveyor_gguf;
+
+constexpr int kLanes = 16;                 // rows of x in a vector, one a lane
+constexpr int kColumns = 6;                // weight rows a step: with 2 row blocks 12 chains of
+                                           // vpdpbusd hide its latency (4 ran at half the rate)
+constexpr int64_t kTileBytes = 256 << 10;  // a thread's unpacked weights
+
+// values sharing a weight scale (Q6_K: 16); w = scale * (u - kZeroPoint) + offset, u the
+// unsigned code (Q8_0: q + 128); only Q4_1 and the Q4_K/Q5_K mins have a float offset
+template <int64_t kType>
+constexpr int kSubValues = kType == Q6_K ? 16 : 32;
+template <int64_t kType>
+constexpr int kZeroPoint = kType == Q4_0 ? 8 : kType == Q5_0 ? 16 : kType == Q6_K ? 32 : kType == Q8_0 ? 128 : 0;
+template <int64_t kType>
+constexpr bool kFloatOffset = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
+
+// x [rows, in] as signed 8-bit codes q = round(x / step), step = max|x| / 127 per group of a row.
+// codes: [rows / 16 (rounded up)][in / 4][16 rows][4 values], padding rows 0;
+// steps: [row blocks][in / group][16];
+// starts: [row blocks][in / sub][16] int32, -zero_point * sum(q) over each sub-block: where a
+// sub-block's integer sum starts; sums: the same, float sum(q) (for the float offsets)
+struct QuantizedRows {
+  std::vector<int8_t> codes;
+  std::vector<float> steps, sums;
+  std::vector<int32_t> starts;
+  int64_t blocks = 0, group = 0;
+};
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bfloat16 -> float32
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t r, int64_t in, int sub_values, int zero_point, QuantizedRows& q) {
+  const int64_t block = r / kLanes, lane = r % kLanes, groups = in / q.group, subs = in / sub_values;
+  int8_t* codes = q.codes.data() + block * in * kLanes + lane * 4;
+  for (int64_t g = 0; g < groups; ++g) {
+    const T* values = x + g * q.group;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < q.group; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(values + k)));
+    const float top = _mm512_reduce_max_ps(amax);
+    q.steps[(block * groups + g) * kLanes + lane] = top / 127.f;
+    const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    for (int64_t k = 0; k < q.group; k += 16) {
+      const __m512i ints = _mm512_cvtps_epi32(_mm512_mul_ps(load16(values + k), inverse));  // nearest even
+      const int64_t at = g * q.group + k, sub = (block * subs + at / sub_values) * kLanes + lane;
+      const int32_t sum = _mm512_reduce_add_epi32(ints);
+      q.sums[sub] += static_cast<float>(sum);
+      q.starts[sub] -= zero_point * sum;
+      alignas(16) uint32_t four[4];
+      _mm_store_si128(reinterpret_cast<__m128i*>(four), _mm512_cvtepi32_epi8(ints));
+      for (int i = 0; i < 4; ++i) std::memcpy(codes + (at + 4 * i) * kLanes, four + i, 4);
+    }
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t in, int64_t group, int sub_values, int zero_point,
+                   QuantizedRows& q) {
+  q.blocks = (rows + kLanes - 1) / kLanes;
+  q.group = group;
+  q.codes.assign(q.blocks * in * kLanes, 0);
+  q.steps.assign(q.blocks * (in / group) * kLanes, 0.f);
+  q.sums.assign(q.blocks * (in / sub_values) * kLanes, 0.f);
+  q.starts.assign(q.blocks * (in / sub_values) * kLanes, 0);
+  at::parallel_for(0, rows, kLanes, [&](int64_t begin, int64_t end) {  // a block's rows share lines
+    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * in, r, in, sub_values, zero_point, q);
+  });
+}
+
+// a thread's unpacked weight rows: codes [rows][in] uint8; scale and offset per sub-block
+struct Tile {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales, offsets;
+};
+
+// w's lanes: 4 values each; Q6_K's two scales sit in lanes 0 and 4
+inline float lane_of(__m256 v, int half) {
+  return half ? _mm_cvtss_f32(_mm256_extractf128_ps(v, 1)) : _mm256_cvtss_f32(v);
+}
+
+template <int64_t kType>
+void unpack_row(const uint8_t* wrow, int64_t in, int64_t o, Tile& tile) {
+  constexpr int kSubs = 32 / kSubValues<kType>;  // scales in a 32-value sub-block
+  const int64_t subs = in / kSubValues<kType>;
+  visit_row(kType, wrow, in, [&](const SubBlock& sub, int64_t s) CONVEYOR_INLINE {
+    const __m256i codes = kType == Q8_0 ? _mm256_xor_si256(sub.sign_of, _mm256_set1_epi8(-128)) : sub.codes;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile.codes.data() + o * in + s * 32), codes);
+    for (int h = 0; h < kSubs; ++h) {
+      const int64_t at = o * subs + s * kSubs + h;
+      tile.scales[at] = lane_of(sub.scale, h);
+      if constexpr (kFloatOffset<kType>) tile.offsets[at] = lane_of(sub.offset, h);
+    }
+  });
+}
+
+// out[rb][j][lane] = row (b0 + rb) * 16 + lane of x . weight row j0 + j, for RB row blocks
+template <int64_t kType, int RB>
+void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t j0, int64_t in,
+                   float out[RB][kColumns][kLanes]) {
+  constexpr int kSub = kSubValues<kType>;
+  const int64_t subs = in / kSub, subs_per_group = x.group / kSub, groups = in / x.group;
+  __m512 y[RB][kColumns], f[RB][kColumns];
+  for (int rb = 0; rb < RB; ++rb)
+    for (int j = 0; j < kColumns; ++j) y[rb][j] = f[rb][j] = _mm512_setzero_ps();
+  const uint8_t* w = tile.codes.data() + j0 * in;
+  for (int64_t s = 0; s < subs; ++s) {
+    __m512i acc[RB][kColumns];
+    for (int rb = 0; rb < RB; ++rb) {
+      const __m512i start = _mm512_loadu_si512(x.starts.data() + ((b0 + rb) * subs + s) * kLanes);
+      for (int j = 0; j < kColumns; ++j) acc[rb][j] = start;
+    }
+    const int8_t* xs = x.codes.data() + (b0 * in + s * kSub) * kLanes;
+    const uint8_t* ws = w + s * kSub;
+    for (int k = 0; k < kSub; k += 4) {
+      __m512i xv[RB];
+      for (int rb = 0; rb < RB; ++rb) xv[rb] = _mm512_loadu_si512(xs + (rb * in + k) * kLanes);
+      for (int j = 0; j < kColumns; ++j) {
+        int32_t four;
+        std::memcpy(&four, ws + j * in + k, 4);
+        const __m512i wv = _mm512_set1_epi32(four);
+        for (int rb = 0; rb < RB; ++rb) acc[rb][j] = _mm512_dpbusd_epi32(acc[rb][j], wv, xv[rb]);
+      }
+    }
+    for (int j = 0; j < kColumns; ++j) {
+      const __m512 scale = _mm512_set1_ps(tile.scales[(j0 + j) * subs + s]);
+      for (int rb = 0; rb < RB; ++rb) f[rb][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[rb][j]), scale, f[rb][j]);
+    }
+    if constexpr (kFloatOffset<kType>) {
+      for (int rb = 0; rb < RB; ++rb) {
+        const __m512 sums = load16(x.sums.data() + ((b0 + rb) * subs + s) * kLanes);
+        for (int j = 0; j < kColumns; ++j)
+          f[rb][j] = _mm512_fmadd_ps(sums, _mm512_set1_ps(tile.offsets[(j0 + j) * subs + s]), f[rb][j]);
+      }
+    }
+    if ((s + 1) % subs_per_group == 0) {
+      const int64_t g = s / subs_per_group;
+      for (int rb = 0; rb < RB; ++rb) {
+        const __m512 step = load16(x.steps.data() + ((b0 + rb) * groups + g) * kLanes);
+        for (int j = 0; j < kColumns; ++j) {
+          y[rb][j] = _mm512_fmadd_ps(f[rb][j], step, y[rb][j]);
+          f[rb][j] = _mm512_setzero_ps();
+        }
+      }
+    }
+  }
+  for (int rb = 0; rb < RB; ++rb)
+    for (int j = 0; j < kColumns; ++j) _mm512_storeu_ps(out[rb][j], y[rb][j]);
+}
+
+template <typename T>
+inline void store_value(T* y, float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    *y = v;
+  } else {
+    *y = c10::BFloat16(v).x;
+  }
+}
+
+// y[rows, out] for the tile's `count` weight rows from o0
+template <int64_t kType, int RB, typename T>
+void store_blocks(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t j0, int64_t count, int64_t in,
+                  int64_t rows, T* y, int64_t out, int64_t o0) {
+  float results[RB][kColumns][kLanes];
+  block_product<kType, RB>(x, b0, tile, j0, in, results);
+  for (int rb = 0; rb < RB; ++rb) {
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int64_t r = (b0 + rb) * kLanes + lane;
+      if (r >= rows) break;
+      for (int j = 0; j < kColumns && j0 + j < count; ++j) store_value(y + r * out + o0 + j0 + j, results[rb][j][lane]);
+    }
+  }
+}
+
+// unpacked rows per tile: at most kTileBytes, a multiple of kColumns, and every thread a tile
+int64_t tile_rows_for(int64_t out, int64_t in, int sub_values) {
+  const int64_t row_bytes = in + in / sub_values * 8;
+  const int64_t fits = std::max<int64_t>(kColumns, kTileBytes / row_bytes / kColumns * kColumns);
+  const int64_t threads = at::get_num_threads();
+  const int64_t share = (out + threads - 1) / threads;
+  return std::min(fits, (share + kColumns - 1) / kColumns * kColumns);
+}
+
+// the worker's tile, kept between calls. Through a reference taken once: each use of a
+// thread_local in a loop called __tls_get_addr (the library is position-independent), once a
+// sub-block, and unpacking took twice as long
+__attribute__((noinline)) Tile& worker_tile() {
+  thread_local Tile tile;
+  return tile;
+}
+
+template <int64_t kType, typename T>
+void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, T* yp) {
+  constexpr int kSub = kSubValues<kType>;
+  const int64_t row_bytes = row_bytes_of(kType, in), subs = in / kSub;
+  const int64_t group = kSubsPerBlock<kType> == 8 ? 256 : 32;  // values of x sharing a step
+  thread_local QuantizedRows callers;  // reused: a hundred calls a step
+  QuantizedRows& x = callers;           // the workers read the caller's, not their own
+  quantize_rows(xp, rows, in, group, kSub, kZeroPoint<kType>, x);
+  const int64_t tile_rows = tile_rows_for(out, in, kSub);
+  const int64_t num_tiles = (out + tile_rows - 1) / tile_rows;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    Tile& tile = worker_tile();
+    tile.codes.resize(std::max<size_t>(tile.codes.size(), tile_rows * in));
+    for (auto* v : {&tile.scales, &tile.offsets}) v->resize(std::max<size_t>(v->size(), tile_rows * subs));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t o0 = t * tile_rows, count = std::min(tile_rows, out - o0);
+      for (int64_t o = 0; o < count; ++o) unpack_row<kType>(w + (o0 + o) * row_bytes, in, o, tile);
+      const int64_t padded = (count + kColumns - 1) / kColumns * kColumns;
+      std::fill(tile.codes.begin() + count * in, tile.codes.begin() + padded * in, 0);
+      for (auto* v : {&tile.scales, &tile.offsets}) std::fill(v->begin() + count * subs, v->begin() + padded * subs, 0.f);
+      for (int64_t j0 = 0; j0 < count; j0 += kColumns) {
+        int64_t b = 0;
+        for (; b + 2 <= x.blocks; b += 2) store_blocks<kType, 2>(x, b, tile, j0, count, in, rows, yp, out, o0);
+        if (b < x.blocks) store_blocks<kType, 1>(x, b, tile, j0, count, in, rows, yp, out, o0);
+      }
+    }
+  });
+}
+
+template <typename T>
+void gemm_of_type(int64_t type, const T* x, int64_t rows, const uint8_t* w, int64_t out, int64_t in, T* y) {
+  switch (type) {
+    case Q4_0: return gemm<Q4_0>(x, rows, w, out, in, y);
+    case Q4_1: return gemm<Q4_1>(x, rows, w, out, in, y);
+    case Q5_0: return gemm<Q5_0>(x, rows, w, out, in, y);
+    case Q8_0: return gemm<Q8_0>(x, rows, w, out, in, y);
+    case Q4_K: return gemm<Q4_K>(x, rows, w, out, in, y);
+    case Q5_K: return gemm<Q5_K>(x, rows, w, out, in, y);
+    case Q6_K: return gemm<Q6_K>(x, rows, w, out, in, y);
+  }
+  TORCH_CHECK(false, "quant_gemm_int8: no kernel for ggml type ", type);
+}
+
+at::Tensor quant_gemm_int8(const at::Tensor& x, const at::Tensor& weight, int64_t type, int64_t out, int64_t in) {
+  const int64_t row_bytes = row_bytes_of(type, in);
+  check_blocks(weight, row_bytes, out, "quant_gemm_int8");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == in && in % 32 == 0 &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "quant_gemm_int8: x float32 or bfloat16 [rows, ", in, "], a multiple of 32");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), out}, xc.options());
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  if (x.size(0) == 0 || out == 0) return y;
+  if (x.scalar_type() == at::kFloat) {
+    gemm_of_type(type, xc.data_ptr<float>(), x.size(0), w, out, in, y.data_ptr<float>());
+  } else {
+    gemm_of_type(type, reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), x.size(0), w, out, in,
+                 reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  }
+  return y;
+}
+
+bool quant_gemm_int8_available() { return true; }
+#define CONVEYOR_QUANT_GEMM_INT8 1
+#endif  // AVX-512 VNNI
+
+#ifndef CONVEYOR_QUANT_GEMM_INT8
+at::Tensor quant_gemm_int8(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "quant_gemm_int8: built without AVX-512 VNNI");
+}
+bool quant_gemm_int8_available() { return false; }
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
+  m.def("quant_gemm_int8(Tensor x, Tensor weight, int ggml_type, int out_features, int in_features) -> Tensor");
+  m.impl("quant_gemm_int8", c10::DispatchKey::CPU, &quant_gemm_int8);
+  m.def("quant_gemm_int8_available() -> bool");
+  m.impl("quant_gemm_int8_available", &quant_gemm_int8_available);
+}
