@@ -14,7 +14,6 @@
 // Oracle: tests/test_quant_kernels.py (x rounded as here, gguf-py's dequantize, float64).
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -126,10 +125,23 @@ void unpack_row(const uint8_t* wrow, int64_t in, int64_t o, Tile& tile) {
   });
 }
 
+// 16 values as T: float32, or bfloat16 rounded to nearest even (finite values)
+template <typename T>
+inline void store16(__m512 v, T* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(dst, v);
+  } else {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+}
+
 // out[rb][j][lane] = row (b0 + rb) * 16 + lane of x . weight row j0 + j, for RB row blocks
-template <int64_t kType, int RB>
+template <int64_t kType, int RB, typename T>
 void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t j0, int64_t in,
-                   float out[RB][kColumns][kLanes]) {
+                   T out[RB][kColumns][kLanes]) {
   constexpr int kSub = kSubValues<kType>;
   const int64_t subs = in / kSub, subs_per_group = x.group / kSub, groups = in / x.group;
   __m512 y[RB][kColumns], f[RB][kColumns];
@@ -177,29 +189,20 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
     }
   }
   for (int rb = 0; rb < RB; ++rb)
-    for (int j = 0; j < kColumns; ++j) _mm512_storeu_ps(out[rb][j], y[rb][j]);
-}
-
-template <typename T>
-inline void store_value(T* y, float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    *y = v;
-  } else {
-    *y = c10::BFloat16(v).x;
-  }
+    for (int j = 0; j < kColumns; ++j) store16(y[rb][j], out[rb][j]);
 }
 
 // y[rows, out] for the tile's `count` weight rows from o0
 template <int64_t kType, int RB, typename T>
 void store_blocks(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t j0, int64_t count, int64_t in,
                   int64_t rows, T* y, int64_t out, int64_t o0) {
-  float results[RB][kColumns][kLanes];
+  T results[RB][kColumns][kLanes];
   block_product<kType, RB>(x, b0, tile, j0, in, results);
   for (int rb = 0; rb < RB; ++rb) {
     for (int lane = 0; lane < kLanes; ++lane) {
       const int64_t r = (b0 + rb) * kLanes + lane;
       if (r >= rows) break;
-      for (int j = 0; j < kColumns && j0 + j < count; ++j) store_value(y + r * out + o0 + j0 + j, results[rb][j][lane]);
+      for (int j = 0; j < kColumns && j0 + j < count; ++j) y[r * out + o0 + j0 + j] = results[rb][j][lane];
     }
   }
 }
@@ -240,7 +243,8 @@ void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, 
       for (int64_t o = 0; o < count; ++o) unpack_row<kType>(w + (o0 + o) * row_bytes, in, o, tile);
       const int64_t padded = (count + kColumns - 1) / kColumns * kColumns;
       std::fill(tile.codes.begin() + count * in, tile.codes.begin() + padded * in, 0);
-      for (auto* v : {&tile.scales, &tile.offsets}) std::fill(v->begin() + count * subs, v->begin() + padded * subs, 0.f);
+      for (auto* v : {&tile.scales, &tile.offsets})
+        std::fill(v->begin() + count * subs, v->begin() + padded * subs, 0.f);
       for (int64_t j0 = 0; j0 < count; j0 += kColumns) {
         int64_t b = 0;
         for (; b + 2 <= x.blocks; b += 2) store_blocks<kType, 2>(x, b, tile, j0, count, in, rows, yp, out, o0);
