@@ -7,10 +7,10 @@
 //   Integer sums per sub-block are exact; the scales apply in float32.
 // Why: vpdpbusd does 64 products a cycle where vdpbf16ps does 32 (one zmm each a cycle on the
 // AMD EPYC of docs/benchmarks.md): quant_gemm.cpp's bfloat16 tiles ran at 80-95% of their peak.
-// Each thread unpacks a tile of weight rows to their unsigned codes (L2-sized), quantizes
-// nothing else; x is quantized once a call, 16 rows to a vector (a row a lane), so that 4 codes
-// of a weight row are one broadcast and no weights are transposed; 2 row blocks by 6 weight
-// rows: 12 chains of vpdpbusd, enough to hide its latency (4 weight rows ran at half the rate).
+// x is quantized once a call, 16 rows to a vector (a row a lane), so that 4 codes of a weight
+// row are one broadcast and no weights are transposed. Each thread takes a run of weight rows,
+// 6 at a time: unpacked to their unsigned codes (in L1), then multiplied by every row of x, 2
+// row blocks a step: 12 chains of vpdpbusd, enough to hide its latency (4 rows: half the rate).
 // Oracle: tests/test_quant_kernels.py (x rounded as here, gguf-py's dequantize, float64).
 
 #include <ATen/Parallel.h>
@@ -32,7 +32,6 @@ using namespace conveyor_gguf;
 constexpr int kLanes = 16;                 // rows of x in a vector, one a lane
 constexpr int kColumns = 6;                // weight rows a step: with 2 row blocks 12 chains of
                                            // vpdpbusd hide its latency (4 ran at half the rate)
-constexpr int64_t kTileBytes = 256 << 10;  // a thread's unpacked weights
 
 // values sharing a weight scale (Q6_K: 16); w = scale * (u - kZeroPoint) + offset, u the
 // unsigned code (Q8_0: q + 128); only Q4_1 and the Q4_K/Q5_K mins have a float offset
@@ -99,7 +98,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t in, int64_t group, int sub_
   });
 }
 
-// a thread's unpacked weight rows: codes [rows][in] uint8; scale and offset per sub-block
+// a thread's unpacked weight rows: codes [kColumns][in] uint8; scale and offset per sub-block
 struct Tile {
   std::vector<uint8_t> codes;
   std::vector<float> scales, offsets;
@@ -138,16 +137,15 @@ inline void store16(__m512 v, T* dst) {
   }
 }
 
-// out[rb][j][lane] = row (b0 + rb) * 16 + lane of x . weight row j0 + j, for RB row blocks
+// out[rb][j][lane] = row (b0 + rb) * 16 + lane of x . the tile's weight row j, for RB row blocks
 template <int64_t kType, int RB, typename T>
-void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t j0, int64_t in,
-                   T out[RB][kColumns][kLanes]) {
+void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t in, T out[RB][kColumns][kLanes]) {
   constexpr int kSub = kSubValues<kType>;
   const int64_t subs = in / kSub, subs_per_group = x.group / kSub, groups = in / x.group;
   __m512 y[RB][kColumns], f[RB][kColumns];
   for (int rb = 0; rb < RB; ++rb)
     for (int j = 0; j < kColumns; ++j) y[rb][j] = f[rb][j] = _mm512_setzero_ps();
-  const uint8_t* w = tile.codes.data() + j0 * in;
+  const uint8_t* w = tile.codes.data();
   for (int64_t s = 0; s < subs; ++s) {
     __m512i acc[RB][kColumns];
     for (int rb = 0; rb < RB; ++rb) {
@@ -167,14 +165,14 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
       }
     }
     for (int j = 0; j < kColumns; ++j) {
-      const __m512 scale = _mm512_set1_ps(tile.scales[(j0 + j) * subs + s]);
+      const __m512 scale = _mm512_set1_ps(tile.scales[j * subs + s]);
       for (int rb = 0; rb < RB; ++rb) f[rb][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[rb][j]), scale, f[rb][j]);
     }
     if constexpr (kFloatOffset<kType>) {
       for (int rb = 0; rb < RB; ++rb) {
         const __m512 sums = load16(x.sums.data() + ((b0 + rb) * subs + s) * kLanes);
         for (int j = 0; j < kColumns; ++j)
-          f[rb][j] = _mm512_fmadd_ps(sums, _mm512_set1_ps(tile.offsets[(j0 + j) * subs + s]), f[rb][j]);
+          f[rb][j] = _mm512_fmadd_ps(sums, _mm512_set1_ps(tile.offsets[j * subs + s]), f[rb][j]);
       }
     }
     if ((s + 1) % subs_per_group == 0) {
@@ -192,28 +190,19 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
     for (int j = 0; j < kColumns; ++j) store16(y[rb][j], out[rb][j]);
 }
 
-// y[rows, out] for the tile's `count` weight rows from o0
+// y[rows, out] of the tile's `count` weight rows, from o0
 template <int64_t kType, int RB, typename T>
-void store_blocks(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t j0, int64_t count, int64_t in,
-                  int64_t rows, T* y, int64_t out, int64_t o0) {
+void store_blocks(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t count, int64_t in, int64_t rows,
+                  T* y, int64_t out, int64_t o0) {
   T results[RB][kColumns][kLanes];
-  block_product<kType, RB>(x, b0, tile, j0, in, results);
+  block_product<kType, RB>(x, b0, tile, in, results);
   for (int rb = 0; rb < RB; ++rb) {
     for (int lane = 0; lane < kLanes; ++lane) {
       const int64_t r = (b0 + rb) * kLanes + lane;
       if (r >= rows) break;
-      for (int j = 0; j < kColumns && j0 + j < count; ++j) y[r * out + o0 + j0 + j] = results[rb][j][lane];
+      for (int j = 0; j < count; ++j) y[r * out + o0 + j] = results[rb][j][lane];
     }
   }
-}
-
-// unpacked rows per tile: at most kTileBytes, a multiple of kColumns, and every thread a tile
-int64_t tile_rows_for(int64_t out, int64_t in, int sub_values) {
-  const int64_t row_bytes = in + in / sub_values * 8;
-  const int64_t fits = std::max<int64_t>(kColumns, kTileBytes / row_bytes / kColumns * kColumns);
-  const int64_t threads = at::get_num_threads();
-  const int64_t share = (out + threads - 1) / threads;
-  return std::min(fits, (share + kColumns - 1) / kColumns * kColumns);
 }
 
 // the worker's tile, kept between calls. Through a reference taken once: each use of a
@@ -232,24 +221,24 @@ void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, 
   thread_local QuantizedRows callers;  // reused: a hundred calls a step
   QuantizedRows& x = callers;           // the workers read the caller's, not their own
   quantize_rows(xp, rows, in, group, kSub, kZeroPoint<kType>, x);
-  const int64_t tile_rows = tile_rows_for(out, in, kSub);
-  const int64_t num_tiles = (out + tile_rows - 1) / tile_rows;
-  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+  // each thread a run of weight rows, unpacked kColumns at a time just before they multiply: the
+  // blocks stream from memory all along (unpacking a 256 KiB tile at once waited on memory)
+  at::parallel_for(0, (out + kColumns - 1) / kColumns, 1, [&](int64_t begin, int64_t end) {
     Tile& tile = worker_tile();
-    tile.codes.resize(std::max<size_t>(tile.codes.size(), tile_rows * in));
-    for (auto* v : {&tile.scales, &tile.offsets}) v->resize(std::max<size_t>(v->size(), tile_rows * subs));
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t o0 = t * tile_rows, count = std::min(tile_rows, out - o0);
+    if (tile.codes.size() < static_cast<size_t>(kColumns * in)) tile.codes.resize(kColumns * in);
+    for (auto* v : {&tile.scales, &tile.offsets})
+      if (v->size() < static_cast<size_t>(kColumns * subs)) v->resize(kColumns * subs);
+    for (int64_t step = begin; step < end; ++step) {
+      const int64_t o0 = step * kColumns, count = std::min<int64_t>(kColumns, out - o0);
       for (int64_t o = 0; o < count; ++o) unpack_row<kType>(w + (o0 + o) * row_bytes, in, o, tile);
-      const int64_t padded = (count + kColumns - 1) / kColumns * kColumns;
-      std::fill(tile.codes.begin() + count * in, tile.codes.begin() + padded * in, 0);
-      for (auto* v : {&tile.scales, &tile.offsets})
-        std::fill(v->begin() + count * subs, v->begin() + padded * subs, 0.f);
-      for (int64_t j0 = 0; j0 < count; j0 += kColumns) {
-        int64_t b = 0;
-        for (; b + 2 <= x.blocks; b += 2) store_blocks<kType, 2>(x, b, tile, j0, count, in, rows, yp, out, o0);
-        if (b < x.blocks) store_blocks<kType, 1>(x, b, tile, j0, count, in, rows, yp, out, o0);
+      if (count < kColumns) {  // the last rows: zero weights
+        std::fill(tile.codes.begin() + count * in, tile.codes.begin() + kColumns * in, 0);
+        for (auto* v : {&tile.scales, &tile.offsets})
+          std::fill(v->begin() + count * subs, v->begin() + kColumns * subs, 0.f);
       }
+      int64_t b = 0;
+      for (; b + 2 <= x.blocks; b += 2) store_blocks<kType, 2>(x, b, tile, count, in, rows, yp, out, o0);
+      if (b < x.blocks) store_blocks<kType, 1>(x, b, tile, count, in, rows, yp, out, o0);
     }
   });
 }
