@@ -1,8 +1,9 @@
 """`conveyor bench quant-accuracy`: a GGUF model served on its quantized blocks
 (`--quantization gguf`) against the same file dequantized to float32 (`--quantization none`, the
 oracle), teacher-forced on a fixed text: how often the next-token argmax agrees, and both
-perplexities. The text is prefilled in chunks of at most the decode kernel's row count, so that
-every matmul runs the kernel a decode step runs (int16 activations, integer dot products)."""
+perplexities. The text is prefilled in chunks of at most the decode kernel's row count: its matmuls
+run the prompt kernels (`--quantized-activations int8`: 8-bit activations in bfloat16), the logits
+the decode kernel (int16 activations, integer dot products)."""
 
 from __future__ import annotations
 
@@ -44,29 +45,34 @@ def register(sub) -> None:
     p.add_argument("--model", required=True, help="a GGUF file or a known model name")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the fixed text")
     p.add_argument("--dtype", default="float32", help="the quantized path's activations")
+    p.add_argument(
+        "--quantized-activations", choices=("int8", "dtype"), default="int8",
+        help="as `conveyor serve`'s: prompt rows in 8 bits (int8) or in --dtype",
+    )  # fmt: skip
     p.add_argument("--save-result", default=None)
     p.set_defaults(func=cmd_quant_accuracy)
 
 
 def cmd_quant_accuracy(args: argparse.Namespace) -> int:
-    result = compare(args.model, args.tokens, args.dtype)
+    result = compare(args.model, args.tokens, args.dtype, args.quantized_activations)
     print(json.dumps(result, indent=2))
     save_result(args.save_result, result)
     return 0
 
 
-def compare(model: str, num_tokens: int, dtype: str = "float32") -> dict:
+def compare(model: str, num_tokens: int, dtype: str = "float32", activations: str = "int8") -> dict:
     oracle_engine = _engine(model, "none", "float32")
     ids = fixed_text_ids(oracle_engine, num_tokens)
     oracle = teacher_forced(oracle_engine, ids)
     del oracle_engine
-    quantized = teacher_forced(_engine(model, "gguf", dtype), ids)
+    quantized = teacher_forced(_engine(model, "gguf", dtype, activations), ids)
     agreement = (quantized.argmax == oracle.argmax).double().mean().item()
     return {
         "bench": "quant-accuracy",
         "model": model,
         "tokens": len(ids),
         "dtype": dtype,
+        "quantized_activations": activations,
         "argmax_agreement": round(agreement, 5),
         "perplexity_quantized": round(quantized.perplexity, 4),
         "perplexity_float32": round(oracle.perplexity, 4),
@@ -74,12 +80,13 @@ def compare(model: str, num_tokens: int, dtype: str = "float32") -> dict:
     }
 
 
-def _engine(model: str, quantization: str, dtype: str) -> Engine:
+def _engine(model: str, quantization: str, dtype: str, activations: str = "int8") -> Engine:
     return Engine(
         EngineConfig(
             model=model,
             quantization=quantization,
             dtype=dtype,
+            quantized_activations=activations,
             max_batch_tokens=quant.DECODE_ROWS,
             enable_prefix_caching=False,
             kv_cache_memory="1GiB",

@@ -70,8 +70,8 @@ def rounded_to_int16_groups(x: torch.Tensor, qtype) -> torch.Tensor:
 
 
 def rounded_to_int8_groups(x: torch.Tensor, qtype) -> torch.Tensor:
-    """x as quant_gemm_int8 sees it: llama.cpp's Q8_K (256) for K-quants, else Q8_0 (32)."""
-    return rounded_in_groups(x, 256 if qtype in K_QUANTS else 32, 127)
+    """x as quant_gemm_int8 sees it: steps of 32 values (llama.cpp's Q8_0)."""
+    return rounded_in_groups(x, 32, 127)
 
 
 @pytest.mark.skipif(not quant.integer_dots(), reason="quant_dot needs x86 with AVX2")
@@ -184,7 +184,7 @@ def test_int8_tiles_row_does_not_depend_on_the_rows_beside_it(qtype):
 
 
 @needs_int8_tiles
-def test_bfloat16_rows_take_int8_tiles_in_prompt_steps_and_full_batches():
+def test_bfloat16_rows_take_int8_tiles_in_prompt_steps_and_full_batches_unless_told_not_to():
     rng = np.random.default_rng(11)
     blocks = quantized(Q.Q5_0, 40, 96, rng)
     linear = QuantizedLinear(blocks, Q.Q5_0, 40, 96)
@@ -200,6 +200,9 @@ def test_bfloat16_rows_take_int8_tiles_in_prompt_steps_and_full_batches():
         assert torch.equal(linear(few), int8_of(few))
     if quant.bf16_tiles() and len(few) > quant.integer_dot_rows():  # else quant_dot serves
         assert not torch.equal(linear(few), int8_of(few))
+        tiles = native.native_ops().quant_gemm(decode, linear.blocks, int(Q.Q5_0), 40, 96)
+        with quant.step_kind(has_prompt_rows=True, int8_activations=False):  # dtype
+            assert torch.equal(linear(decode), tiles)
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)

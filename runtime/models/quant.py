@@ -102,26 +102,29 @@ def int8_tiles() -> bool:
 class _StepKind(threading.local):
     has_prompt_rows = False  # the step running on this thread computes prompt tokens
     drafted_seqs = 0  # its sequences, where speculative drafts give them more rows (else 0)
+    int8_activations = True  # --quantized-activations int8
 
 
 _STEP = _StepKind()
 
 
 @contextmanager
-def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0):
+def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0, int8_activations: bool = True):
     """While a step runs on this thread, its kind picks its quantized matmuls' kernel:
     - computing prompt tokens: the many-rows kernel for every row count, so that a prompt's
       rows round the same whether they come in one chunk or as the two or three tokens a
       prefix-cache hit leaves (the integer kernel rounds otherwise, and a greedy near-tie
       followed the cache: tests/test_quantized_model.py);
     - with drafts, drafted_seqs sequences: the kernel the same step without drafts would take,
-      so that verified tokens round as plain decodes do (tests/test_spec_real_model.py)."""
-    previous = _STEP.has_prompt_rows, _STEP.drafted_seqs
+      so that verified tokens round as plain decodes do (tests/test_spec_real_model.py);
+    - int8_activations false (--quantized-activations dtype): no 8-bit activations."""
+    previous = _STEP.has_prompt_rows, _STEP.drafted_seqs, _STEP.int8_activations
     _STEP.has_prompt_rows, _STEP.drafted_seqs = has_prompt_rows, drafted_seqs
+    _STEP.int8_activations = int8_activations
     try:
         yield
     finally:
-        _STEP.has_prompt_rows, _STEP.drafted_seqs = previous
+        _STEP.has_prompt_rows, _STEP.drafted_seqs, _STEP.int8_activations = previous
 
 
 def integer_dot_rows() -> int:
@@ -138,9 +141,9 @@ def few_rows_step(rows: int) -> bool:
 def int8_rows_step(rows: int) -> bool:
     """The running step's quantized matmuls of `rows` bfloat16 rows take quant_gemm_int8: every
     prompt step (a prompt's rows round the same in any chunk), and decode steps of at least
-    INT8_GEMM_ROWS sequences."""
+    INT8_GEMM_ROWS sequences; never with --quantized-activations dtype."""
     counted = _STEP.drafted_seqs or rows
-    return _STEP.has_prompt_rows or counted >= INT8_GEMM_ROWS
+    return _STEP.int8_activations and (_STEP.has_prompt_rows or counted >= INT8_GEMM_ROWS)
 
 
 def _native_kernel(ops, rows: torch.Tensor):
@@ -152,7 +155,7 @@ def _native_kernel(ops, rows: torch.Tensor):
         return ops.quant_dot if integer_dots() else ops.quant_matmul
     if rows.dtype != torch.bfloat16:
         return None
-    if int8_tiles() and (int8_rows_step(rows.shape[0]) or not bf16_tiles()):
+    if int8_tiles() and int8_rows_step(rows.shape[0]):
         return ops.quant_gemm_int8
     return ops.quant_gemm if bf16_tiles() else None
 

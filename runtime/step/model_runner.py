@@ -75,6 +75,7 @@ class ModelRunner:
             self.backend,
             config.quantization,
         )
+        self.int8_activations = config.quantized_activations == "int8"
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.kv_cache = self._allocate_kv_cache(config)
         self.sampler = Sampler(self.model_config.vocab_size)
@@ -286,7 +287,7 @@ class ModelRunner:
         if not self.model.quantized_names:
             return contextlib.nullcontext()
         computes_prompt = any(r.num_computed_tokens < r.num_prompt_tokens for r, _ in scheduled)
-        return step_kind(computes_prompt, drafted_seqs)
+        return step_kind(computes_prompt, drafted_seqs, self.int8_activations)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         for graphs in (self.decode_graphs, self.mixed_graphs):
