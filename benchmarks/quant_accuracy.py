@@ -18,7 +18,7 @@ import torch
 from benchmarks.common import save_result
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.models import quant
+from runtime.models import cpu_kernels
 from scheduler.request import SamplingParams
 
 TEXT_FILES = ("README.md", "docs/architecture.md", "docs/benchmarks.md")
@@ -87,7 +87,7 @@ def _engine(model: str, quantization: str, dtype: str, activations: str = "int8"
             quantization=quantization,
             dtype=dtype,
             quantized_activations=activations,
-            max_batch_tokens=quant.DECODE_ROWS,
+            max_batch_tokens=cpu_kernels.DECODE_ROWS,
             enable_prefix_caching=False,
             kv_cache_memory="1GiB",
         )

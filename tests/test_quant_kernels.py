@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import native
-from runtime.models import quant
+from runtime.models import cpu_kernels, quant
 from runtime.models.catalog import pull
 from runtime.models.quant import QuantizedEmbedding, QuantizedLinear, random_blocks
 from runtime.models.source import known_model_file
@@ -74,7 +74,7 @@ def rounded_to_int8_groups(x: torch.Tensor, qtype) -> torch.Tensor:
     return rounded_in_groups(x, 32, 127)
 
 
-@pytest.mark.skipif(not quant.integer_dots(), reason="quant_dot needs x86 with AVX2")
+@pytest.mark.skipif(not cpu_kernels.integer_dots(), reason="quant_dot needs x86 with AVX2")
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,7 +101,7 @@ def test_integer_dot_is_the_oracle_on_int16_rounded_activations(qtype, rows, dty
         torch.testing.assert_close(got[:plain], exact, atol=1e-4 * scale, rtol=1e-4)
 
 
-@pytest.mark.skipif(not quant.integer_dots(), reason="quant_dot needs x86 with AVX2")
+@pytest.mark.skipif(not cpu_kernels.integer_dots(), reason="quant_dot needs x86 with AVX2")
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype, dtype):
@@ -120,7 +120,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype, dtype):
         assert torch.equal(together, alone[:rows]), rows
 
 
-@pytest.mark.skipif(not quant.bf16_tiles(), reason="quant_gemm needs AVX-512 BF16 and no AMX")
+@pytest.mark.skipif(not cpu_kernels.bf16_tiles(), reason="quant_gemm needs AVX-512 BF16 and no AMX")
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4, 7, 33])
 def test_bf16_tiles_are_the_oracle_on_bfloat16_weights(qtype, rows):
@@ -140,7 +140,7 @@ def test_bf16_tiles_are_the_oracle_on_bfloat16_weights(qtype, rows):
 
 
 needs_int8_tiles = pytest.mark.skipif(
-    not quant.int8_tiles(), reason="quant_gemm_int8 needs AVX-512 VNNI and no AMX"
+    not cpu_kernels.int8_tiles(), reason="quant_gemm_int8 needs AVX-512 VNNI and no AMX"
 )
 
 
@@ -193,15 +193,17 @@ def test_bfloat16_rows_take_int8_tiles_in_prompt_steps_and_full_batches_unless_t
     def int8_of(x):
         return int8(x, linear.blocks, int(Q.Q5_0), 40, 96)
 
-    decode = torch.randn(quant.INT8_GEMM_ROWS, 96).bfloat16()
+    decode = torch.randn(cpu_kernels.INT8_GEMM_ROWS, 96).bfloat16()
     assert torch.equal(linear(decode), int8_of(decode))
-    few = decode[: quant.INT8_GEMM_ROWS - 1]
-    with quant.step_kind(has_prompt_rows=True):
+    few = decode[: cpu_kernels.INT8_GEMM_ROWS - 1]
+    with cpu_kernels.step_kind(has_prompt_rows=True):
         assert torch.equal(linear(few), int8_of(few))
-    if quant.bf16_tiles() and len(few) > quant.integer_dot_rows():  # else quant_dot serves
+    if (
+        cpu_kernels.bf16_tiles() and len(few) > cpu_kernels.integer_dot_rows()
+    ):  # else quant_dot serves
         assert not torch.equal(linear(few), int8_of(few))
         tiles = native.native_ops().quant_gemm(decode, linear.blocks, int(Q.Q5_0), 40, 96)
-        with quant.step_kind(has_prompt_rows=True, int8_activations=False):  # dtype
+        with cpu_kernels.step_kind(has_prompt_rows=True, int8_activations=False):  # dtype
             assert torch.equal(linear(decode), tiles)
 
 
@@ -221,7 +223,7 @@ def test_linear_matches_dequantized_matmul(qtype, rows, dtype, tol):
     )
     got = linear(x)
     assert got.dtype == dtype and got.shape == (rows, out_features)
-    if rows <= quant.integer_dot_rows() and quant.integer_dots():
+    if rows <= cpu_kernels.integer_dot_rows() and cpu_kernels.integer_dots():
         tol = max(tol, 2e-4)  # x in int16 per group: ~1e-5 of the largest output
     scale = expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=tol * scale, rtol=tol)
@@ -231,7 +233,7 @@ def test_prefill_tiles_cover_every_output_row(monkeypatch):
     monkeypatch.setattr(quant, "TILE_VALUES", 5 * 64)  # 5 output rows a tile, 41 rows: 9 tiles
     rng = np.random.default_rng(5)
     blocks = quantized(Q.Q8_0, 41, 64, rng)
-    rows = quant.integer_dot_rows() + 1  # the fewest rows that take the tiles
+    rows = cpu_kernels.integer_dot_rows() + 1  # the fewest rows that take the tiles
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(5))
     expected = x @ oracle(blocks, Q.Q8_0, 41, 64).T
     torch.testing.assert_close(
@@ -245,7 +247,7 @@ def test_fallback_without_native_kernels_is_the_oracle(monkeypatch):
     blocks = random_blocks(Q.Q6_K, 5, 256, rng)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6))
     expected = x @ oracle(blocks, Q.Q6_K, 5, 256).T
-    monkeypatch.setattr(quant, "integer_dots", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "integer_dots", lambda: False)
     torch.testing.assert_close(QuantizedLinear(blocks, Q.Q6_K, 5, 256)(x), expected)
 
 
@@ -284,7 +286,7 @@ def test_real_tensors_of_every_type_in_the_file():
         assert linear.blocks.data_ptr() == tensor.data.ctypes.data  # a view of the file, no copy
         expected = oracle(tensor.data, tensor.tensor_type, linear.out_features, linear.in_features)
         x = torch.randn(4, linear.in_features, generator=torch.Generator().manual_seed(1))
-        if quant.integer_dots():
+        if cpu_kernels.integer_dots():
             x = rounded_to_int16_groups(x, tensor.tensor_type)
         torch.testing.assert_close(linear(x), x @ expected.T, atol=1e-3, rtol=1e-3)
     assert checked == {Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q4_K}

@@ -9,7 +9,7 @@ import torch
 from benchmarks.quant_accuracy import fixed_text_ids, teacher_forced
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.models import quant
+from runtime.models import cpu_kernels, quant
 from runtime.models.catalog import pull
 from runtime.models.layers import Linear
 from runtime.models.quant import ConcatLinear, QuantizedEmbedding, QuantizedLinear
@@ -21,7 +21,7 @@ SMOLLM2, QWEN = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"
 
 
 def engine_for(model: str, quantization: str, **settings) -> Engine:
-    defaults = dict(dtype="float32", num_kv_blocks=200, max_batch_tokens=quant.DECODE_ROWS)
+    defaults = dict(dtype="float32", num_kv_blocks=200, max_batch_tokens=cpu_kernels.DECODE_ROWS)
     return Engine(EngineConfig(model=model, quantization=quantization, **(defaults | settings)))
 
 

@@ -4,7 +4,7 @@ the same kernels in the same order as the layer's modules, without the interpret
 A layer fits when its projections are all GGUF blocks of a type with a native kernel, its norms
 plain RMSNorm and its MLP SwiGLU (Llama, Qwen2, Mistral; Gemma's layers keep their modules). A
 step fits when it is made of decode queries only and its quantized matmuls take the integer-dot
-kernel (quant.few_rows_step): then the fused layer computes bit for bit what the modules would.
+kernel (cpu_kernels.few_rows_step): then the fused layer computes bit for bit what the modules would.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from kernels.native import native_ops
 from kernels.native_layer_ops import NATIVE_DTYPES
-from runtime.models import quant
+from runtime.models import cpu_kernels
 from runtime.models.attention import ForwardContext
 from runtime.models.quant import NATIVE_TYPES, ConcatLinear, QuantizedLinear
 
@@ -91,7 +91,7 @@ def step_fits(ctx: ForwardContext, x: torch.Tensor, backend, dtype: torch.dtype)
     integer-dot kernel for its matmuls, the native attention, rope plans and caches in x's dtype."""
     if x.dtype != dtype or backend.native is None or ctx.attn.num_prefill_seqs:
         return False
-    if not (quant.integer_dots() and quant.few_rows_step(x.shape[0])):
+    if not (cpu_kernels.integer_dots() and cpu_kernels.few_rows_step(x.shape[0])):
         return False
     plans_fit = all(
         p.cos.dtype == p.sin.dtype == dtype and p.cos.is_contiguous() and p.sin.is_contiguous()

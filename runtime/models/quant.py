@@ -1,24 +1,19 @@
 """GGUF-quantized weights kept in the file's block layout: QuantizedLinear and QuantizedEmbedding.
 
 The raw blocks stay a uint8 tensor [out_features, row_bytes] (a view of the file's memory map where
-the caller passes one). On CPU with the native kernels built (kernels/native.py) a few rows run
-kernels/cpu/quant_dot.cpp (integer dots, x86) or quant_matmul.cpp (float), which read each weight
-byte once; many rows (prefill, batched decode) in bfloat16 run quant_gemm_int8.cpp (x in 8 bits,
-weights unpacked a tile per thread, vpdpbusd, AVX-512 VNNI) from INT8_GEMM_ROWS rows and for every
-prompt step, and quant_gemm.cpp (tiles dequantized to bfloat16, AVX-512 BF16) below that;
-otherwise many rows dequantize tiles of output rows and run torch's blocked matmul on them. On CUDA kernels/triton_gguf.py multiplies
-(and dequantizes) the blocks; triton is imported only there, on first use. Elsewhere, and for
-types without a kernel, the weight is dequantized with gguf-py (the oracle) and F.linear runs.
+the caller passes one). On CPU with the native kernels built (kernels/native.py), the kernel
+runtime/models/cpu_kernels.py picks for the step's rows multiplies the blocks in place;
+otherwise many rows dequantize tiles of output rows and run torch's blocked matmul on them. On
+CUDA kernels/triton_gguf.py multiplies (and dequantizes) the blocks; triton is imported only
+there, on first use. Elsewhere, and for types without a kernel, the weight is dequantized with
+gguf-py (the oracle) and F.linear runs.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
-import threading
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.native import cpu_flags, native_ops
+from kernels.native import native_ops
+from runtime.models.cpu_kernels import native_kernel, vector_dequantize
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +32,6 @@ Q = gguf.GGMLQuantizationType
 NATIVE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 TRITON_TYPES = NATIVE_TYPES  # kernels/triton_gguf.py's
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
-DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel (one pass: kMaxRows with
-# AVX-512); more dequantize tiles (quant_gemm for bfloat16: at 4-6 rows it took 1.5-1.8x longer)
-SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2): dequantizing a tile is
-# scalar there, and quant_dot, a pass per 4 rows, stays faster up to about 48 rows
-INT8_GEMM_ROWS = 16  # from this many rows bfloat16 rows take quant_gemm_int8: it multiplies 16
-# rows at a time, and below 16 the bfloat16 tiles were faster (docs/benchmarks.md)
 TILE_VALUES = 1 << 20  # dequantized values per tile (2 MiB in bfloat16: stays in L2)
 _logged_slow_types: set[Q] = set()
 
@@ -70,102 +60,6 @@ class QuantizedTensor:
     @property
     def out_features(self) -> int:
         return self.blocks.shape[0]
-
-
-@functools.cache
-def integer_dots() -> bool:
-    """Activations quantized to int16 per group (near float32's error), weights unpacked to int16
-    and integer dot products (kernels/cpu/quant_dot.cpp, x86 with AVX2 at least); else the float
-    kernel (quant_matmul.cpp)."""
-    ops = native_ops()
-    return ops is not None and ops.quant_dot_available()
-
-
-@functools.cache
-def bf16_tiles() -> bool:
-    """Many bfloat16 rows multiply in kernels/cpu/quant_gemm.cpp (AVX-512 BF16): each thread
-    dequantizes a tile that stays in its L2 and multiplies it at once. Not where the CPU has AMX:
-    there torch's matmul (oneDNN's AMX tiles) multiplies far faster than vdpbf16ps."""
-    ops = native_ops()
-    return ops is not None and ops.quant_gemm_available() and "amx_bf16" not in cpu_flags()
-
-
-@functools.cache
-def int8_tiles() -> bool:
-    """Many bfloat16 rows multiply in kernels/cpu/quant_gemm_int8.cpp (AVX-512 VNNI): x rounded
-    to 8 bits per group as llama.cpp's Q8 activations, twice the products a cycle of
-    vdpbf16ps. Not where the CPU has AMX (torch's matmul is faster there)."""
-    ops = native_ops()
-    return ops is not None and ops.quant_gemm_int8_available() and "amx_bf16" not in cpu_flags()
-
-
-class _StepKind(threading.local):
-    has_prompt_rows = False  # the step running on this thread computes prompt tokens
-    drafted_seqs = 0  # its sequences, where speculative drafts give them more rows (else 0)
-    int8_activations = True  # --quantized-activations int8
-
-
-_STEP = _StepKind()
-
-
-@contextmanager
-def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0, int8_activations: bool = True):
-    """While a step runs on this thread, its kind picks its quantized matmuls' kernel:
-    - computing prompt tokens: the many-rows kernel for every row count, so that a prompt's
-      rows round the same whether they come in one chunk or as the two or three tokens a
-      prefix-cache hit leaves (the integer kernel rounds otherwise, and a greedy near-tie
-      followed the cache: tests/test_quantized_model.py);
-    - with drafts, drafted_seqs sequences: the kernel the same step without drafts would take,
-      so that verified tokens round as plain decodes do (tests/test_spec_real_model.py);
-    - int8_activations false (--quantized-activations dtype): no 8-bit activations."""
-    previous = _STEP.has_prompt_rows, _STEP.drafted_seqs, _STEP.int8_activations
-    _STEP.has_prompt_rows, _STEP.drafted_seqs = has_prompt_rows, drafted_seqs
-    _STEP.int8_activations = int8_activations
-    try:
-        yield
-    finally:
-        _STEP.has_prompt_rows, _STEP.drafted_seqs, _STEP.int8_activations = previous
-
-
-def integer_dot_rows() -> int:
-    """At most this many rows run the few-rows kernel (quant_dot or quant_matmul)."""
-    return DECODE_ROWS if vector_dequantize() else SCALAR_DEQUANTIZE_DECODE_ROWS
-
-
-def few_rows_step(rows: int) -> bool:
-    """The running step's quantized matmuls of `rows` rows take the few-rows kernel."""
-    counted = _STEP.drafted_seqs or rows
-    return counted <= integer_dot_rows() and not _STEP.has_prompt_rows
-
-
-def int8_rows_step(rows: int) -> bool:
-    """The running step's quantized matmuls of `rows` bfloat16 rows take quant_gemm_int8: every
-    prompt step (a prompt's rows round the same in any chunk), and decode steps of at least
-    INT8_GEMM_ROWS sequences; never with --quantized-activations dtype."""
-    counted = _STEP.drafted_seqs or rows
-    return _STEP.int8_activations and (_STEP.has_prompt_rows or counted >= INT8_GEMM_ROWS)
-
-
-def _native_kernel(ops, rows: torch.Tensor):
-    """The native op that multiplies these rows in the running step, or None (tiles dequantized
-    for torch's matmul)."""
-    if ops is None:
-        return None
-    if few_rows_step(rows.shape[0]):
-        return ops.quant_dot if integer_dots() else ops.quant_matmul
-    if rows.dtype != torch.bfloat16:
-        return None
-    if int8_tiles() and int8_rows_step(rows.shape[0]):
-        return ops.quant_gemm_int8
-    return ops.quant_gemm if bf16_tiles() else None
-
-
-@functools.cache
-def vector_dequantize() -> bool:
-    """AVX-512 dequantization straight into float32 or bfloat16 (quant_dot.cpp's unpacking);
-    else quant_matmul.cpp's float32 one, then a cast."""
-    ops = native_ops()
-    return ops is not None and ops.quant_dequantize_as_available()
 
 
 def quantized_kernel_types(device: torch.device | str) -> frozenset:
@@ -272,7 +166,7 @@ class QuantizedWeight(nn.Module):
         gemv_input made of rows (shared by the parts of a projection)."""
         if self._on_gpu():
             return _triton_gguf().gguf_matmul(rows, self.gpu_planes(), quantized)
-        kernel = _native_kernel(self._native(), rows)
+        kernel = native_kernel(self._native(), rows)
         if kernel is not None:
             return kernel(
                 rows, self.blocks, int(self.ggml_type), self.out_features, self.in_features

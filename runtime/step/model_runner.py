@@ -13,8 +13,8 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.models.attention import AttentionBackend, ForwardContext
+from runtime.models.cpu_kernels import step_kind
 from runtime.models.loader import ModelSource, load_model, open_model
-from runtime.models.quant import step_kind
 from runtime.sampling.plan import penalty_inputs, unpack
 from runtime.sampling.sampler import Sampler
 from runtime.spec.verify import RejectionSampler, VerifyRow, accept_greedy

@@ -1,0 +1,119 @@
+"""Which native CPU kernel multiplies a step's rows by GGUF weights (runtime/models/quant.py's
+QuantizedWeight asks): few rows kernels/cpu/quant_dot.cpp (integer dots, int16 activations) or
+quant_matmul.cpp (float); many bfloat16 rows quant_gemm_int8.cpp (8-bit activations, AVX-512
+VNNI) or quant_gemm.cpp (bfloat16 tiles, AVX-512 BF16); else none (tiles dequantized for torch's
+matmul). The running step's kind (step_kind) decides with the row count, so that a row rounds
+the same way wherever the scheduler puts it."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from kernels.native import cpu_flags, native_ops
+
+DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel (one pass: kMaxRows with
+# AVX-512); more dequantize tiles (quant_gemm for bfloat16: at 4-6 rows it took 1.5-1.8x longer)
+SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2): dequantizing a tile is
+# scalar there, and quant_dot, a pass per 4 rows, stays faster up to about 48 rows
+INT8_GEMM_ROWS = 16  # from this many rows bfloat16 rows take quant_gemm_int8: it multiplies 16
+# rows at a time, and below 16 the bfloat16 tiles were faster (docs/benchmarks.md)
+
+
+@functools.cache
+def integer_dots() -> bool:
+    """Activations quantized to int16 per group (near float32's error), weights unpacked to int16
+    and integer dot products (kernels/cpu/quant_dot.cpp, x86 with AVX2 at least); else the float
+    kernel (quant_matmul.cpp)."""
+    ops = native_ops()
+    return ops is not None and ops.quant_dot_available()
+
+
+@functools.cache
+def bf16_tiles() -> bool:
+    """Many bfloat16 rows multiply in kernels/cpu/quant_gemm.cpp (AVX-512 BF16): each thread
+    dequantizes a tile that stays in its L2 and multiplies it at once. Not where the CPU has AMX:
+    there torch's matmul (oneDNN's AMX tiles) multiplies far faster than vdpbf16ps."""
+    ops = native_ops()
+    return ops is not None and ops.quant_gemm_available() and "amx_bf16" not in cpu_flags()
+
+
+@functools.cache
+def int8_tiles() -> bool:
+    """Many bfloat16 rows multiply in kernels/cpu/quant_gemm_int8.cpp (AVX-512 VNNI): x rounded
+    to 8 bits per group as llama.cpp's Q8 activations, twice the products a cycle of
+    vdpbf16ps. Not where the CPU has AMX (torch's matmul is faster there)."""
+    ops = native_ops()
+    return ops is not None and ops.quant_gemm_int8_available() and "amx_bf16" not in cpu_flags()
+
+
+class _StepKind(threading.local):
+    has_prompt_rows = False  # the step running on this thread computes prompt tokens
+    drafted_seqs = 0  # its sequences, where speculative drafts give them more rows (else 0)
+    int8_activations = True  # --quantized-activations int8
+
+
+_STEP = _StepKind()
+
+
+@contextmanager
+def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0, int8_activations: bool = True):
+    """While a step runs on this thread, its kind picks its quantized matmuls' kernel:
+    - computing prompt tokens: the many-rows kernel for every row count, so that a prompt's
+      rows round the same whether they come in one chunk or as the two or three tokens a
+      prefix-cache hit leaves (the integer kernel rounds otherwise, and a greedy near-tie
+      followed the cache: tests/test_quantized_model.py);
+    - with drafts, drafted_seqs sequences: the kernel the same step without drafts would take,
+      so that verified tokens round as plain decodes do (tests/test_spec_real_model.py);
+    - int8_activations false (--quantized-activations dtype): no 8-bit activations."""
+    previous = _STEP.has_prompt_rows, _STEP.drafted_seqs, _STEP.int8_activations
+    _STEP.has_prompt_rows, _STEP.drafted_seqs = has_prompt_rows, drafted_seqs
+    _STEP.int8_activations = int8_activations
+    try:
+        yield
+    finally:
+        _STEP.has_prompt_rows, _STEP.drafted_seqs, _STEP.int8_activations = previous
+
+
+def integer_dot_rows() -> int:
+    """At most this many rows run the few-rows kernel (quant_dot or quant_matmul)."""
+    return DECODE_ROWS if vector_dequantize() else SCALAR_DEQUANTIZE_DECODE_ROWS
+
+
+def few_rows_step(rows: int) -> bool:
+    """The running step's quantized matmuls of `rows` rows take the few-rows kernel."""
+    counted = _STEP.drafted_seqs or rows
+    return counted <= integer_dot_rows() and not _STEP.has_prompt_rows
+
+
+def int8_rows_step(rows: int) -> bool:
+    """The running step's quantized matmuls of `rows` bfloat16 rows take quant_gemm_int8: every
+    prompt step (a prompt's rows round the same in any chunk), and decode steps of at least
+    INT8_GEMM_ROWS sequences; never with --quantized-activations dtype."""
+    counted = _STEP.drafted_seqs or rows
+    return _STEP.int8_activations and (_STEP.has_prompt_rows or counted >= INT8_GEMM_ROWS)
+
+
+def native_kernel(ops, rows: torch.Tensor):
+    """The native op that multiplies these rows in the running step, or None (tiles dequantized
+    for torch's matmul)."""
+    if ops is None:
+        return None
+    if few_rows_step(rows.shape[0]):
+        return ops.quant_dot if integer_dots() else ops.quant_matmul
+    if rows.dtype != torch.bfloat16:
+        return None
+    if int8_tiles() and int8_rows_step(rows.shape[0]):
+        return ops.quant_gemm_int8
+    return ops.quant_gemm if bf16_tiles() else None
+
+
+@functools.cache
+def vector_dequantize() -> bool:
+    """AVX-512 dequantization straight into float32 or bfloat16 (quant_dot.cpp's unpacking);
+    else quant_matmul.cpp's float32 one, then a cast."""
+    ops = native_ops()
+    return ops is not None and ops.quant_dequantize_as_available()
