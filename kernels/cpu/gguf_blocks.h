@@ -152,6 +152,20 @@ inline SubBlock q6_k_sub(float d, const uint8_t* b, int j) {
   return SubBlock{q6_k_codes(b, j), two_halves(s0, s1), two_halves(-32.f * s0, -32.f * s1)};
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 floats -> 16 bfloat16, round to nearest even (finite inputs)
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+#endif
+
 // bytes of a K-quant's super-block
 constexpr int64_t kQ4kBytes = 144, kQ5kBytes = 176, kQ6kBytes = 210;
 

@@ -27,18 +27,6 @@ namespace {
 #if defined(CONVEYOR_GGUF_BLOCKS) && defined(__AVX512F__) && defined(__AVX512BW__)
 using namespace conveyor_gguf;
 
-// 16 floats -> 16 bfloat16, round to nearest even (finite inputs)
-inline __m256i to_bf16(__m512 v) {
-#if defined(__AVX512BF16__)
-  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-#else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-#endif
-}
-
 // one sub-block's 32 weights in two vectors of 16 floats: scale * u + offset (or scale * q)
 inline void sub_weights(const SubBlock& sub, __m512 w[2]) {
   const __m256i bytes = sub.is_signed ? sub.sign_of : sub.codes;

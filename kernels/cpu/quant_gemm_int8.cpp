@@ -124,16 +124,13 @@ void unpack_row(const uint8_t* wrow, int64_t in, int64_t o, Tile& tile) {
   });
 }
 
-// 16 values as T: float32, or bfloat16 rounded to nearest even (finite values)
+// 16 values as T: float32, or bfloat16 rounded to nearest even
 template <typename T>
 inline void store16(__m512 v, T* dst) {
   if constexpr (std::is_same_v<T, float>) {
     _mm512_storeu_ps(dst, v);
   } else {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), to_bf16(v));
   }
 }
 

@@ -83,18 +83,22 @@ def integer_dot_rows() -> int:
     return DECODE_ROWS if vector_dequantize() else SCALAR_DEQUANTIZE_DECODE_ROWS
 
 
+def _counted_rows(rows: int) -> int:
+    """What picks a decode step's kernel: its sequences where drafts give them more rows."""
+    return _STEP.drafted_seqs or rows
+
+
 def few_rows_step(rows: int) -> bool:
     """The running step's quantized matmuls of `rows` rows take the few-rows kernel."""
-    counted = _STEP.drafted_seqs or rows
-    return counted <= integer_dot_rows() and not _STEP.has_prompt_rows
+    return _counted_rows(rows) <= integer_dot_rows() and not _STEP.has_prompt_rows
 
 
 def int8_rows_step(rows: int) -> bool:
     """The running step's quantized matmuls of `rows` bfloat16 rows take quant_gemm_int8: every
     prompt step (a prompt's rows round the same in any chunk), and decode steps of at least
     INT8_GEMM_ROWS sequences; never with --quantized-activations dtype."""
-    counted = _STEP.drafted_seqs or rows
-    return _STEP.int8_activations and (_STEP.has_prompt_rows or counted >= INT8_GEMM_ROWS)
+    full_batch = _counted_rows(rows) >= INT8_GEMM_ROWS
+    return _STEP.int8_activations and (_STEP.has_prompt_rows or full_batch)
 
 
 def native_kernel(ops, rows: torch.Tensor):

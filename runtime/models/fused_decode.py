@@ -4,7 +4,8 @@ the same kernels in the same order as the layer's modules, without the interpret
 A layer fits when its projections are all GGUF blocks of a type with a native kernel, its norms
 plain RMSNorm and its MLP SwiGLU (Llama, Qwen2, Mistral; Gemma's layers keep their modules). A
 step fits when it is made of decode queries only and its quantized matmuls take the integer-dot
-kernel (cpu_kernels.few_rows_step): then the fused layer computes bit for bit what the modules would.
+kernel (cpu_kernels.few_rows_step): then the fused layer computes bit for bit what the modules
+would.
 """
 
 from __future__ import annotations
