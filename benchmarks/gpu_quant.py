@@ -32,9 +32,15 @@ from runtime.models.quant import HALF_OFFSETS, row_bytes
 
 Q = gguf.GGMLQuantizationType
 DEVICE = torch.device("cuda")
-DOT_SHAPES = [(256, 2, 2, 528), (256, 1, 2, 528), (256, 2, 2, 1056)]
-# (block_n, sub-blocks per step, warps, programs wanted) of the integer-dot GEMV; the first is its
-# default
+DOT_SHAPES = [
+    (256, 2, 2, 528, 8, False),
+    (256, 2, 2, 528, 8, None),
+    (256, 2, 2, 528, 8, True),
+    (128, 2, 1, 528, 8, None),
+]
+# (block_n, sub-blocks per step, warps, programs wanted, partial sums summed at a time, x
+# quantized inside the GEMV: None where quantizes_in_kernel says so) of the integer-dot GEMV; the
+# second is its default
 
 
 def listing_of(path: str) -> list[dict]:
@@ -74,11 +80,13 @@ def kernels() -> dict:
     from kernels import triton_gguf_dot
 
     found = {}
-    for block_n, subs, warps, programs in DOT_SHAPES:
-        found[f"{block_n}x{subs}w{warps}p{programs}"] = lambda x, planes, shape=(
-            block_n, subs, warps, programs): triton_gguf_dot.gguf_dot(
-            x, planes, block_n=shape[0], subs=shape[1], num_warps=shape[2],
-            target_programs=shape[3])  # fmt: skip
+    for shape in DOT_SHAPES:
+        block_n, subs, warps, programs, at_once, fused = shape
+        fusion = {None: "", False: "q", True: "f"}[fused]
+        found[f"{block_n}x{subs}w{warps}p{programs}s{at_once}{fusion}"] = (
+            lambda x, planes, shape=shape: triton_gguf_dot.gguf_dot(
+                x, planes, block_n=shape[0], subs=shape[1], num_warps=shape[2],
+                target_programs=shape[3], splits_at_once=shape[4], fused=shape[5]))  # fmt: skip
     return found
 
 
@@ -153,7 +161,7 @@ def table(weights: list[dict], found: dict, rows: int, copy_rate: float) -> None
     groups["whole token"] = weights
     print(f"\n{rows} row(s): weight bytes read / time as a share of copy bandwidth "
           f"({copy_rate / 1e9:.0f} GB/s)")  # fmt: skip
-    header = f"  {'role':22} {'MB':>7} " + " ".join(f"{n:>14}" for n in found)
+    header = f"  {'role':22} {'MB':>7} " + " ".join(f"{n:>16}" for n in found)
     print(header + f" {'cuBLAS bf16':>14}")
     for role, group in groups.items():
         quant_bytes = sum(w["planes"].data.nbytes for w in group)
@@ -164,7 +172,7 @@ def table(weights: list[dict], found: dict, rows: int, copy_rate: float) -> None
         dense_bytes = sum(w["dense"].numel() * 2 for w in group)
         seconds = time_graph(calls_for(group, None, rows))
         cells.append(f"{seconds * 1e6:7.0f}us {dense_bytes / seconds / copy_rate:4.0%}")
-        print(f"  {role:22} {quant_bytes / 1e6:7.1f} " + " ".join(f"{c:>14}" for c in cells))
+        print(f"  {role:22} {quant_bytes / 1e6:7.1f} " + " ".join(f"{c:>16}" for c in cells))
 
 
 def run(args) -> int:

@@ -73,15 +73,20 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def gguf_matmul(x: torch.Tensor, planes, quantized=None) -> torch.Tensor:
-    """x [rows, in_features] (float32/16, bfloat16) @ W^T -> [rows, out_features] in x's dtype,
-    W a weight repacked into kernels/gguf_planes.py's Planes; float32 accumulation. quantized:
-    x as triton_gguf_dot.quantize_x made it (rows <= GEMV_ROWS only)."""
+def gguf_matmul(x: torch.Tensor, planes, quantized=None, out=None, bias=None) -> torch.Tensor:
+    """x [rows, in_features] (float32/16, bfloat16) @ W^T (+ bias) -> [rows, out_features] in
+    x's dtype, W a weight repacked into kernels/gguf_planes.py's Planes; float32 accumulation.
+    quantized: x as triton_gguf_dot.quantize_x made it (rows <= GEMV_ROWS only); out: the
+    result's place, columns contiguous (the GEMV writes there directly, bias added)."""
     if x.shape[0] <= GEMV_ROWS:
         from kernels.triton_gguf_dot import gguf_dot
 
-        return gguf_dot(x, planes, asm=not _interpreted(), quantized=quantized)
-    return gguf_tiled(x, planes)
+        return gguf_dot(x, planes, asm=not _interpreted(), quantized=quantized, out=out,
+                        bias=bias)  # fmt: skip
+    y = gguf_tiled(x, planes)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y if out is None else out.copy_(y)
 
 
 def gguf_tiled(x: torch.Tensor, planes) -> torch.Tensor:

@@ -50,11 +50,17 @@ def relative_error(y: torch.Tensor, expected: torch.Tensor) -> float:
     return float((y.double().cpu() - expected).norm() / expected.norm())
 
 
-def test_a_projection_of_mixed_types_quantizes_its_input_once(gpu_path, monkeypatch):
+@pytest.mark.parametrize("fused_max_tiles", (0, 8), ids=("x quantized once", "in each GEMV"))
+def test_a_projection_of_mixed_types_on_the_gemv(gpu_path, monkeypatch, fused_max_tiles):
+    """Its parts write their columns and biases in place; x is quantized once for all of them,
+    or inside each part's GEMV where its output is a few tiles."""
+    monkeypatch.setattr(triton_gguf_dot, "FUSED_MAX_TILES", fused_max_tiles)
     q4k, q6k = blocks(Q.Q4_K, 48, 256, seed=1), blocks(Q.Q6_K, 16, 256, seed=2)
-    module = ConcatLinear([(Q.Q4_K, 48), (Q.Q6_K, 16)], 256, bias=False).to(DEVICE)
+    module = ConcatLinear([(Q.Q4_K, 48), (Q.Q6_K, 16)], 256, bias=True).to(DEVICE)
     module.load_part(0, quant.QuantizedTensor(q4k, Q.Q4_K, 256))
     module.load_part(1, quant.QuantizedTensor(q6k, Q.Q6_K, 256))
+    bias = torch.linspace(-1, 1, 64)
+    module.bias.data.copy_(bias)
     repack_for_gpu(module)
     assert all(part.blocks.numel() == 0 for part in module.parts)  # dropped once repacked
     assert module.weight_nbytes == plane_nbytes(Q.Q4_K, 48, 256) + plane_nbytes(Q.Q6_K, 16, 256)
@@ -63,11 +69,13 @@ def test_a_projection_of_mixed_types_quantizes_its_input_once(gpu_path, monkeypa
     monkeypatch.setattr(triton_gguf_dot, "quantize_x", lambda x: (calls.append(1), real(x))[1])
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     y = module(x)
-    expected = x.double().cpu() @ torch.cat((dense(Q.Q4_K, q4k), dense(Q.Q6_K, q6k))).T
-    assert len(calls) == 1 and y.shape == (2, 64)
+    weight = torch.cat((dense(Q.Q4_K, q4k), dense(Q.Q6_K, q6k)))
+    expected = x.double().cpu() @ weight.T + bias.double()
+    assert len(calls) == (1 if fused_max_tiles == 0 else 0) and y.shape == (2, 64)
     assert relative_error(y, expected) < 2e-2  # x quantized to int8 per 32 values
     many = x.repeat(3, 1)  # more rows than the GEMV takes: the tiled kernel, x unquantized
-    assert relative_error(module(many), expected.repeat(3, 1)) < 1e-5 and len(calls) == 1
+    assert relative_error(module(many), expected.repeat(3, 1)) < 1e-5
+    assert len(calls) == (1 if fused_max_tiles == 0 else 0)
 
 
 def test_linear_and_embedding_on_planes_match_their_blocks(gpu_path):

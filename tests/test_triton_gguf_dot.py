@@ -41,14 +41,22 @@ def relative_error(y: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(
-    ("rows", "num_splits", "block_n", "subs"),
-    [(1, None, 16, 4), (2, 2, 8, 2), (3, 3, 16, 4), (4, 1, 32, 1), (2, 12, 16, 1)],
+    ("rows", "num_splits", "block_n", "subs", "fused"),
+    [
+        (1, None, 16, 4, False),
+        (2, 2, 8, 2, True),
+        (3, 3, 16, 4, False),
+        (3, 3, 16, 4, True),
+        (4, 1, 32, 1, False),
+        (2, 12, 16, 1, True),
+    ],
 )
-def test_dot_is_the_oracle_on_quantized_x(qtype, rows, num_splits, block_n, subs):
+def test_dot_is_the_oracle_on_quantized_x(qtype, rows, num_splits, block_n, subs, fused):
+    """fused: x quantized inside the GEMV, as quantize_x quantizes it (the same oracle)."""
     num_blocks = 17 if qtype.value < Q.Q4_K.value else 3  # a partial last step and split
     x, planes, weight = inputs(qtype, rows, 37, num_blocks, torch.float32, seed=rows + 7)
     y = triton_gguf_dot.gguf_dot(
-        x, planes, num_splits=num_splits, asm=ASM, block_n=block_n, subs=subs
+        x, planes, num_splits=num_splits, asm=ASM, block_n=block_n, subs=subs, fused=fused
     )
     assert y.shape == (rows, 37) and y.dtype == x.dtype
     assert relative_error(y, quantized_x(x) @ weight.T) < 1e-5
@@ -63,6 +71,22 @@ def test_dot_is_near_the_unquantized_product_in_bfloat16(qtype):
     assert relative_error(y, x.double().cpu() @ weight.T) < 1.5e-2
 
 
+@pytest.mark.parametrize(("splits_at_once", "num_splits"), [(1, 6), (4, 6), (32, 6), (8, 1)])
+def test_a_result_and_its_bias_written_into_columns_of_a_wider_output(splits_at_once, num_splits):
+    x, planes, weight = inputs(Q.Q4_K, 3, 24, 3, torch.float32, seed=5)
+    bias = torch.linspace(-2, 2, 24, device=DEVICE)
+    wide = torch.full((3, 40), 7.0, device=DEVICE)
+    y = triton_gguf_dot.gguf_dot(x, planes, num_splits=num_splits, asm=ASM, block_n=8, subs=1,
+                                 splits_at_once=splits_at_once, out=wide[:, 10:34],
+                                 bias=bias)  # fmt: skip
+    assert y.data_ptr() == wide[:, 10:].data_ptr()
+    expected = quantized_x(x) @ weight.T + bias.double().cpu()
+    assert relative_error(wide[:, 10:34], expected) < 1e-5
+    untouched = torch.cat((wide[:, :10], wide[:, 34:]), dim=1)
+    assert torch.equal(untouched.cpu(), torch.full((3, 16), 7.0))
+    assert not triton_gguf_dot._COUNTERS[x.device].any()
+
+
 def test_zero_rows_and_a_zero_input():
     x, planes, weight = inputs(Q.Q8_0, 1, 8, 2, torch.float32, seed=1)
     assert triton_gguf_dot.gguf_dot(x[:0], planes, asm=ASM).shape == (0, 8)
@@ -71,24 +95,27 @@ def test_zero_rows_and_a_zero_input():
 
 
 COMPILE_FOR_SM90 = """
+import itertools
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import triton_gguf_dot as g
 from kernels.triton_gguf_blocks import TYPES
-ints = ("num_rows", "out_features", "columns", "num_subs", "subs_per_split", "num_splits")
+ints = ("num_rows", "in_features", "x_stride", "out_features", "out_stride", "columns",
+        "num_subs", "subs_per_split", "num_splits")
 def compiled(fn, signature, constants, num_warps=4):
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     constexprs = {(fn.arg_names.index(k),): v for k, v in constants.items()}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-for qtype in TYPES:
-    for rows in (1, 4):
-        constants = dict(QTYPE=qtype, ROWS=rows, BLOCK_N=256, SUBS=4, ASM=True)
-        signature = {"words_ptr": "*i32", "scales_ptr": "*fp32", "qs_ptr": "*i32",
-                     "qh_ptr": "*i32", "sm_ptr": "*i32", "d_ptr": "*i32", "out_ptr": "*bf16",
-                     "partial_ptr": "*fp32", "counter_ptr": "*i32", **dict.fromkeys(ints, "i32")}
-        assert "dp4a" in compiled(g._dot_kernel, signature, constants).asm["ptx"], qtype
+for qtype, rows, fused in itertools.product(TYPES, (1, 4), (False, True)):
+    constants = dict(QTYPE=qtype, ROWS=rows, BLOCK_N=256, SUBS=4, ASM=True, SPLITS_AT_ONCE=8,
+                     FUSED=fused, HAS_BIAS=fused)
+    signature = {"words_ptr": "*i32", "scales_ptr": "*fp32", "x_ptr": "*bf16", "qs_ptr": "*i32",
+                 "qh_ptr": "*i32", "sm_ptr": "*i32", "d_ptr": "*i32", "bias_ptr": "*bf16",
+                 "out_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32",
+                 **dict.fromkeys(ints, "i32")}
+    assert "dp4a" in compiled(g._dot_kernel, signature, constants).asm["ptx"], qtype
 signature = {"x_ptr": "*bf16", "words_ptr": "*i32", "scales_ptr": "*fp32", "x_stride": "i32",
              "num_rows": "i32", "in_features": "i32", "num_subs": "i32"}
 assert "cubin" in compiled(g._quantize_x_kernel, signature, dict(SUBS=16)).asm

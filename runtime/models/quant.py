@@ -33,6 +33,9 @@ NATIVE_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K
 TRITON_TYPES = NATIVE_TYPES  # kernels/triton_gguf.py's
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 TILE_VALUES = 1 << 20  # dequantized values per tile (2 MiB in bfloat16: stays in L2)
+MATMUL_ROWS = 64  # torch's matmul on a dequantized tile always takes this many rows (the last
+# chunk zero-padded): oneDNN picks its kernel by the row count, and with AMX a row rounded
+# differently in a 40-row prompt than in the 8 rows a prefix-cache hit left of it
 _logged_slow_types: set[Q] = set()
 
 
@@ -73,19 +76,33 @@ def quantized_kernel_types(device: torch.device | str) -> frozenset:
     return frozenset()
 
 
+def _fixed_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(rows, weight), MATMUL_ROWS rows a call: a row's result does not depend on how
+    many rows come with it."""
+    y = rows.new_empty(rows.shape[0], weight.shape[0])
+    for start in range(0, rows.shape[0], MATMUL_ROWS):
+        chunk = rows[start : start + MATMUL_ROWS]
+        count = chunk.shape[0]
+        if count < MATMUL_ROWS:
+            chunk = F.pad(chunk, (0, 0, 0, MATMUL_ROWS - count))
+        y[start : start + count] = F.linear(chunk, weight)[:count]
+    return y
+
+
 def _triton_gguf():
     from kernels import triton_gguf  # imports triton: CUDA only
 
     return triton_gguf
 
 
-def gemv_input(rows: torch.Tensor):
-    """On CUDA, rows quantized once for every part of a projection that the integer-dot GEMV
-    multiplies (kernels/triton_gguf_dot.py); None where the tiled kernel takes them."""
-    if rows.shape[0] > _triton_gguf().GEMV_ROWS:
-        return None
-    from kernels.triton_gguf_dot import quantize_x
+def gemv_input(rows: torch.Tensor, planes: list):
+    """On CUDA, rows quantized once for the parts (their planes) of a projection that the
+    integer-dot GEMV multiplies (kernels/triton_gguf_dot.py); None where every part quantizes
+    them inside its GEMV."""
+    from kernels.triton_gguf_dot import quantize_x, quantizes_in_kernel
 
+    if all(quantizes_in_kernel(part) for part in planes):
+        return None
     return quantize_x(rows)
 
 
@@ -161,11 +178,18 @@ class QuantizedWeight(nn.Module):
             return _triton_gguf().gguf_dequantize(self.gpu_planes(), dtype, ids)
         return _dequantize_blocks(self, self.blocks[rows], dtype)
 
-    def matmul(self, rows: torch.Tensor, quantized=None) -> torch.Tensor:
-        """rows [n, in_features] -> [n, out_features] in rows' dtype. quantized: on CUDA, what
-        gemv_input made of rows (shared by the parts of a projection)."""
+    def matmul(self, rows: torch.Tensor, quantized=None, out=None, bias=None) -> torch.Tensor:
+        """rows [n, in_features] -> [n, out_features] in rows' dtype (+ bias). quantized: on
+        CUDA, what gemv_input made of rows (shared by the parts of a projection); out: where the
+        result goes (a new tensor if None)."""
         if self._on_gpu():
-            return _triton_gguf().gguf_matmul(rows, self.gpu_planes(), quantized)
+            return _triton_gguf().gguf_matmul(rows, self.gpu_planes(), quantized, out, bias)
+        y = self._matmul_here(rows)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y if out is None else out.copy_(y)
+
+    def _matmul_here(self, rows: torch.Tensor) -> torch.Tensor:
         kernel = native_kernel(self._native(), rows)
         if kernel is not None:
             return kernel(
@@ -175,7 +199,7 @@ class QuantizedWeight(nn.Module):
         tile = max(1, TILE_VALUES // self.in_features)
         for start in range(0, self.out_features, tile):
             part = slice(start, min(start + tile, self.out_features))
-            y[:, part] = F.linear(rows, self.dequantize(part, rows.dtype))
+            y[:, part] = _fixed_rows_linear(rows, self.dequantize(part, rows.dtype))
         return y
 
     @classmethod
@@ -205,9 +229,7 @@ class QuantizedLinear(QuantizedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2
-        y = self.matmul(x if flat else x.reshape(-1, self.in_features))
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        y = self.matmul(x if flat else x.reshape(-1, self.in_features), bias=self.bias)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def load_part(self, part: int, tensor: QuantizedTensor) -> None:
@@ -225,6 +247,7 @@ class ConcatLinear(nn.Module):
         )
         self.in_features = in_features
         self.out_features = sum(rows for _, rows in parts)
+        self.starts = _starts(tuple(rows for _, rows in parts))
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False)
@@ -235,11 +258,24 @@ class ConcatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        quantized = gemv_input(rows) if self.parts[0]._on_gpu() else None
-        y = torch.cat([part.matmul(rows, quantized) for part in self.parts], dim=-1)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        if self.parts[0]._on_gpu() and rows.shape[0] <= _triton_gguf().GEMV_ROWS:
+            y = self._gemv(rows)
+        else:
+            y = torch.cat([part.matmul(rows) for part in self.parts], dim=-1)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _gemv(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each part's GEMV writes its columns of the output in place (no torch.cat), its bias
+        added, x quantized at most once for all of them."""
+        quantized = gemv_input(rows, [part.gpu_planes() for part in self.parts])
+        y = rows.new_empty(rows.shape[0], self.out_features)
+        for part, start in zip(self.parts, self.starts):
+            columns = slice(start, start + part.out_features)
+            bias = None if self.bias is None else self.bias[columns]
+            part.matmul(rows, quantized, y[:, columns], bias)
+        return y
 
     def load_part(self, part: int, tensor: QuantizedTensor) -> None:
         self.parts[part].load_rows(0, tensor.blocks)
