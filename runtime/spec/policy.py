@@ -38,12 +38,14 @@ from dataclasses import dataclass
 import numpy as np
 
 PROMPT_LOOKUP_PROBE_COST = 0.33  # a failed single-draft probe, in plain steps (SmolLM2, 2 cores)
+REFIT_EVERY = 8  # observations between least-squares fits (a fit every step was 3% of SmolLM2's)
 STREAK_ACCEPTED = 3  # drafts the latest full rows (two or more) must have accepted to forget
 # older failures (a copy ramp's k = 1 then 2; two single drafts accepted by chance: not)
 
 
 class StepCostModel:
-    """Measured seconds per step as a linear function of (rows, tokens), refit on demand."""
+    """Measured seconds per step as a linear function of (rows, tokens), refit on demand every
+    REFIT_EVERY observations."""
 
     def __init__(self, window: int = 256, min_samples: int = 8, keep_drafted_apart: bool = False):
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
@@ -56,11 +58,12 @@ class StepCostModel:
             deque(maxlen=window) if keep_drafted_apart else None
         )
         self._coefficients: np.ndarray | None = None
+        self._since_fit = 0
 
     def observe(self, num_rows: int, num_tokens: int, seconds: float) -> None:
         has_drafts = self.drafted is not None and num_tokens > num_rows
         (self.drafted if has_drafts else self.samples).append((num_rows, num_tokens, seconds))
-        self._coefficients = None
+        self._since_fit += 1
 
     @property
     def is_fitted(self) -> bool:
@@ -68,12 +71,12 @@ class StepCostModel:
 
     def coefficients(self) -> np.ndarray:
         """-> [c0, c_rows, c_tokens], none negative (a cost never falls as work grows)."""
-        if self._coefficients is None:
+        if self._coefficients is None or self._since_fit >= REFIT_EVERY:
             measured = [*self.samples, *(self.drafted or ())]
             data = np.array(measured, dtype=np.float64)  # [num_samples, 3]
             design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
             fit, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
-            self._coefficients = np.maximum(fit, 0.0)
+            self._coefficients, self._since_fit = np.maximum(fit, 0.0), 0
         return self._coefficients
 
     def predict(self, num_rows: int, num_tokens: int) -> float:
