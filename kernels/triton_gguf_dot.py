@@ -215,9 +215,9 @@ def _dot_kernel(
     HAS_BIAS: tl.constexpr,  # bias_ptr [out_features] added to the result
 ):  # fmt: skip
     # out [num_rows, out_features] in x's dtype, rows out_stride apart. Split along K
-    # (num_splits > 1), a program
-    # writes float32 sums to partial [num_splits, num_rows, out_features] and the last of a
-    # tile's programs to count itself in counter_ptr[tile] adds them up (and zeroes the count).
+    # (num_splits > 1), a program writes float32 sums to partial [num_splits, num_rows,
+    # out_features] and the last of a tile's programs to count itself in counter_ptr[tile] adds
+    # them up (and zeroes the count).
     # Tiles [S, R, N]: S sub-blocks, their R words (a thread holds all), N output rows (4 a
     # thread: 16-byte loads). No masks: planes and x are padded along K, planes along N. A row
     # of x keeps sums of its own until the loop ends.
@@ -347,14 +347,14 @@ def gguf_dot(
 ):  # fmt: skip
     """x [rows <= 4, in_features] @ W^T -> [rows, out_features] in x's dtype (written into
     `out` when given: such a tensor with unit column stride, a fused projection's columns of
-    this part, say), W the Planes of
-    kernels/gguf_planes.py, by int8 dot products (x quantized per 32 values, or `quantized`, what
-    quantize_x made of x). num_splits None: enough programs to fill the GPU; asm False: dp4a
-    emulated (Triton's interpreter cannot run inline assembly). A program reads block_n output
-    rows, subs sub-blocks of 32 values per loop step; the last program of a tile sums its
-    splits' partial sums splits_at_once at a time. fused: each program quantizes the part of x
-    it reads itself (no quantize_x kernel; None: where quantizes_in_kernel says so, and
-    `quantized` is None). bias [out_features]: added to the result (in float32)."""
+    this part, say), W the Planes of kernels/gguf_planes.py, by int8 dot products (x quantized
+    per 32 values, or `quantized`, what quantize_x made of x). num_splits None: enough programs
+    to fill the GPU; asm False: dp4a emulated (Triton's interpreter cannot run inline assembly).
+    A program reads block_n output rows, subs sub-blocks of 32 values per loop step; the last
+    program of a tile sums its splits' partial sums splits_at_once at a time. fused: each
+    program quantizes the part of x it reads itself (no quantize_x kernel; None: where
+    quantizes_in_kernel says so, and `quantized` is None). bias [out_features]: added to the
+    result (in float32)."""
     import torch
 
     check_planes(planes)
