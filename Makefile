@@ -46,8 +46,11 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
 
+# two processes, a test file each at a time (its module fixtures load once): a lone process kept
+# one of two cores idle for half the suite (servers, subprocesses, the Triton interpreter)
+TEST_WORKERS ?= 2
 test: install services browser lint model
-	CONVEYOR_REQUIRE_BROWSER=1 $(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	CONVEYOR_REQUIRE_BROWSER=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # schemathesis over /v1/openapi.json and /admin/openapi.json against a tiny-model server, every
 # check, a random seed; FUZZ_SECONDS per document (`make test` runs 30 s each, a fixed seed)

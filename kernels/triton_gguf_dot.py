@@ -131,6 +131,7 @@ def _x_step(words_ptr, scales_ptr, x_ptr, x_stride, in_features, row, first, s, 
         low, high, dx, x_sum = _x_quantized_here(x_ptr, x_stride, in_features, row, first, s, r,
                                                  num_rows, QTYPE)  # fmt: skip
     else:
+        row = tl.minimum(row, num_rows - 1)  # a padding row (ROWS > num_rows) reads a real one
         x_words = words_ptr + (row * num_subs + first + s) * 8  # [S, 1, 1]
         at = row * num_subs + first + s
         dx, x_sum = tl.load(scales_ptr + at), tl.load(scales_ptr + num_rows * num_subs + at)

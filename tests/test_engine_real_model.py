@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers_reference import transformers_model
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
@@ -30,12 +31,7 @@ def engine() -> Engine:
 
 @pytest.fixture(scope="module")
 def hf_model(engine):
-    from transformers import AutoModelForCausalLM
-
-    path = engine.source.path  # the GGUF file the engine loaded
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return transformers_model(engine.source.path)  # the GGUF file the engine loaded
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers_reference import transformers_model
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
@@ -28,11 +29,7 @@ def greedy(max_tokens=NUM_NEW) -> SamplingParams:
 
 
 def transformers_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    model = transformers_model(path)
     with torch.no_grad():
         return [
             model.generate(torch.tensor([p]), max_new_tokens=NUM_NEW, do_sample=False)[
