@@ -46,8 +46,8 @@ def register(sub) -> None:
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the fixed text")
     p.add_argument("--dtype", default="float32", help="the quantized path's activations")
     p.add_argument(
-        "--quantized-activations", choices=("int8", "dtype"), default="int8",
-        help="as `conveyor serve`'s: prompt rows in 8 bits (int8) or in --dtype",
+        "--quantized-activations", choices=("auto", "int8", "dtype"), default="auto",
+        help="as `conveyor serve`'s: prompt rows in 8 bits (int8), in --dtype, or the family's",
     )  # fmt: skip
     p.add_argument("--save-result", default=None)
     p.set_defaults(func=cmd_quant_accuracy)
@@ -60,7 +60,7 @@ def cmd_quant_accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
-def compare(model: str, num_tokens: int, dtype: str = "float32", activations: str = "int8") -> dict:
+def compare(model: str, num_tokens: int, dtype: str = "float32", activations: str = "auto") -> dict:
     oracle_engine = _engine(model, "none", "float32")
     ids = fixed_text_ids(oracle_engine, num_tokens)
     oracle = teacher_forced(oracle_engine, ids)
@@ -80,7 +80,7 @@ def compare(model: str, num_tokens: int, dtype: str = "float32", activations: st
     }
 
 
-def _engine(model: str, quantization: str, dtype: str, activations: str = "int8") -> Engine:
+def _engine(model: str, quantization: str, dtype: str, activations: str = "auto") -> Engine:
     return Engine(
         EngineConfig(
             model=model,

@@ -50,6 +50,13 @@ def int8_tiles() -> bool:
     return ops is not None and ops.quant_gemm_int8_available() and "amx_bf16" not in cpu_flags()
 
 
+def int8_activations(setting: str, model_class: type) -> bool:
+    """--quantized-activations: int8, dtype, or auto (the model family's default)."""
+    if setting == "auto":
+        return model_class.int8_activations_by_default
+    return setting == "int8"
+
+
 class _StepKind(threading.local):
     has_prompt_rows = False  # the step running on this thread computes prompt tokens
     drafted_seqs = 0  # its sequences, where speculative drafts give them more rows (else 0)

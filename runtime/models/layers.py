@@ -206,6 +206,9 @@ def _quantized_module(path: str, old: nn.Module, parts: dict, dtype) -> nn.Modul
 
 class CausalLM(nn.Module):
     norm_unit_offset = False  # Gemma: every RMSNorm weight is stored as w - 1
+    # --quantized-activations auto: 8-bit activations for many rows where they keep the
+    # teacher-forced perplexity within 0.5% of float32 (benchmarks/quant_accuracy.py)
+    int8_activations_by_default = True
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()

@@ -13,7 +13,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.models.attention import AttentionBackend, ForwardContext
-from runtime.models.cpu_kernels import step_kind
+from runtime.models.cpu_kernels import int8_activations, step_kind
 from runtime.models.loader import ModelSource, load_model, open_model
 from runtime.sampling.plan import penalty_inputs, unpack
 from runtime.sampling.sampler import Sampler
@@ -75,7 +75,7 @@ class ModelRunner:
             self.backend,
             config.quantization,
         )
-        self.int8_activations = config.quantized_activations == "int8"
+        self.int8_activations = int8_activations(config.quantized_activations, type(self.model))
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.kv_cache = self._allocate_kv_cache(config)
         self.sampler = Sampler(self.model_config.vocab_size)
