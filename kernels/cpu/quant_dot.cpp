@@ -126,7 +126,7 @@ inline float total(FloatSum v) {
 #endif
 
 // what a block's sub-blocks share: its float scale d, a K-quant's sub-block scales and the
-// factors of the float offsets per sub-block (Q4_1: m in lane 0; Q4_K/Q5_K: -dmin * min_j)
+// factors of the float offsets per sub-block (Q4_K/Q5_K: -dmin * min_j; Q4_1 adds its m apart)
 struct BlockHeader {
   float d;
   uint8_t scales[8];
@@ -148,7 +148,6 @@ template <int64_t kType>
 inline BlockHeader header_of(const uint8_t* b) {
   BlockHeader h;
   h.d = half_at(kType == Q6_K ? b + 208 : b);
-  if constexpr (kType == Q4_1) h.offsets = _mm256_setr_ps(half_at(b + 2), 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
   if constexpr (kType == Q4_K || kType == Q5_K) {
     uint32_t scales[2], mins[2];
     k4_scales_mins(b, scales, mins);
@@ -186,11 +185,14 @@ constexpr bool kHasOffsets = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
 
 // x per group of `group` values: int16 values, the group's step dx and the sums of the
 // represented values per sub-block of 32 (for the types whose offsets are floats)
+inline int64_t padded8(int64_t n) { return (n + 7) / 8 * 8; }
+
 struct QuantizedRows {
   int64_t group;
   std::vector<int16_t> values;  // [rows, in]
   std::vector<float> steps;     // [rows, in / group]
-  std::vector<float> sub_sums;  // [rows, in / 32]
+  int64_t sums_stride;          // in / 32, padded to a multiple of 8
+  std::vector<float> sub_sums;  // [rows, sums_stride], zeros past in / 32
 };
 
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
@@ -234,18 +236,29 @@ const QuantizedRows& quantize_rows(const T* x, int64_t rows, int64_t in, int64_t
   q.group = group;
   q.values.resize(rows * in);
   q.steps.resize(rows * in / group);
-  q.sub_sums.resize(rows * in / 32);
-  for (int64_t g = 0; g < rows * in / group; ++g)
-    quantize_group(x + g * group, group, q.values.data() + g * group, &q.steps[g], &q.sub_sums[g * group / 32]);
+  q.sums_stride = padded8(in / 32);
+  q.sub_sums.assign(rows * q.sums_stride, 0.f);
+  const int64_t groups = in / group;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = r * groups + g;
+      quantize_group(x + at * group, group, q.values.data() + at * group, &q.steps[at],
+                     &q.sub_sums[r * q.sums_stride + g * group / 32]);
+    }
   return q;
 }
 
 // the sums of x's represented values that block b's offsets multiply, for row `row`
-template <int64_t kType>
-inline __m256 offset_sums(const QuantizedRows& xq, int64_t row, int64_t subs, int64_t b) {
-  const float* sums = xq.sub_sums.data() + row * subs;
-  if constexpr (kType == Q4_1) return _mm256_set1_ps(sums[b]);
-  return load8(sums + b * 8);
+inline __m256 offset_sums(const QuantizedRows& xq, int64_t row, int64_t b) {
+  return load8(xq.sub_sums.data() + row * xq.sums_stride + b * 8);
+}
+
+// acc + sum over blocks b of m[b] * x's sum of block b (Q4_1's offsets: one scalar a block,
+// gathered per weight row while its blocks are read, then 8 blocks an FMA here); both padded
+// with zeros to `stride`, a multiple of 8
+inline FloatSum add_q4_1_offsets(FloatSum acc, const float* m, const float* x_sums, int64_t stride) {
+  for (int64_t b = 0; b < stride; b += 8) acc = add_offsets(acc, load8(m + b), load8(x_sums + b));
+  return acc;
 }
 
 // sub-blocks unpacked at once per weight row: a K-quant's as many as a lane sums before it
@@ -271,7 +284,7 @@ constexpr int tile_out() {
 // unpacked once, then each row of x sums its dot products with all of them in one integer chain.
 template <int64_t kType, int kOut, int R, typename T>
 void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t r0, int64_t o0,
-              int valid, int64_t out, T* y) {
+              int valid, int64_t out, T* y, float* q4_1_m) {
   constexpr int kSubs = kSubsPerBlock<kType>, kChunk = kChunkSubs<kType>;
   constexpr bool kSuper = kSubs > 1;
   const int64_t subs = in / 32, groups = in / xq.group, blocks_per_group = xq.group / (32 * kSubs);
@@ -291,6 +304,8 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
       BlockHeader h[kOut];
       for (int i = 0; i < kOut; ++i) h[i] = header_of<kType>(rows[i] + b * kBlockBytes<kType>);
+      if constexpr (kType == Q4_1)
+        for (int i = 0; i < kOut; ++i) q4_1_m[i * xq.sums_stride + b] = half_at(rows[i] + b * kBlockBytes<kType> + 2);
       for (int c = 0; c < kSubs; c += kChunk) {
         const int64_t s = b * kSubs + c;  // the chunk's first sub-block in the row
         for (int64_t at = s * ahead_per_sub; at < (s + kChunk) * ahead_per_sub; at += 64)
@@ -314,15 +329,19 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
           }
         }
       }
-      if constexpr (kHasOffsets<kType>)
+      if constexpr (kHasOffsets<kType> && kType != Q4_1)
         for (int i = 0; i < kOut; ++i)
-          for (int r = 0; r < R; ++r)
-            acc[i][r] = add_offsets(acc[i][r], h[i].offsets, offset_sums<kType>(xq, r0 + r, subs, b));
+          for (int r = 0; r < R; ++r) acc[i][r] = add_offsets(acc[i][r], h[i].offsets, offset_sums(xq, r0 + r, b));
     }
     if constexpr (!kSuper)
       for (int i = 0; i < kOut; ++i)
         for (int r = 0; r < R; ++r) acc[i][r] = scaled_add(acc[i][r], group_sums[i][r], xq.steps[(r0 + r) * groups + g]);
   }
+  if constexpr (kType == Q4_1)
+    for (int i = 0; i < kOut; ++i)
+      for (int r = 0; r < R; ++r)
+        acc[i][r] = add_q4_1_offsets(acc[i][r], q4_1_m + i * xq.sums_stride,
+                                     xq.sub_sums.data() + (r0 + r) * xq.sums_stride, xq.sums_stride);
   for (int i = 0; i < valid; ++i)
     for (int r = 0; r < R; ++r) y[(r0 + r) * out + o0 + i] = static_cast<T>(total(acc[i][r]));
 }
@@ -334,9 +353,10 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
   constexpr int kOut = tile_out<kType, R>();
   const int64_t groups = (out + kOut - 1) / kOut;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> q4_1_m(kType == Q4_1 ? kOut * xq.sums_stride : 0, 0.f);  // [kOut, sums_stride]
     for (int64_t g = begin; g < end; ++g) {
       const int valid = static_cast<int>(std::min<int64_t>(kOut, out - g * kOut));
-      dot_tile<kType, kOut, R>(w, row_bytes, in, xq, r0, g * kOut, valid, out, y);
+      dot_tile<kType, kOut, R>(w, row_bytes, in, xq, r0, g * kOut, valid, out, y, q4_1_m.data());
     }
   });
 }
