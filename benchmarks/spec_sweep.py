@@ -29,15 +29,20 @@ from scheduler.request import SamplingParams
 
 # the copy workload's text: 40 lines of Python, fixed (it was policy.py's head, which changed)
 COPY_SOURCE = Path(__file__).resolve().parent / "data" / "spec-copy-source.txt"
+# the json workload's document: a dozen store items; the answer re-emits it with one price changed
+JSON_SOURCE = COPY_SOURCE.with_name("spec-json-source.json")
 MODES = ("off", "policy", "fixed k")
 COLORS = {"policy": "#1b7837", "fixed k": "#c51b7d"}
-DASHES = {"copy": "", "chat": "6,4"}
+DASHES = {"copy": "", "json": "2,3", "chat": "6,4"}
 
 
 def prompts() -> dict[str, str]:
     source = COPY_SOURCE.read_text().rstrip("\n")
+    document = JSON_SOURCE.read_text().rstrip("\n")
     return {
         "copy": f"Output the following Python code exactly, unchanged:\n\n{source}",
+        "json": f"Here is a JSON document:\n\n{document}\n\nOutput the same JSON document with one "
+        'change: the price of "fig" is 9.99. Output only the JSON.',
         "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     }
 
