@@ -33,8 +33,9 @@ def transformers_model(gguf_path: Path):
 
 
 def _saved_dir(gguf_path: Path, version: str) -> Path:
-    stat = gguf_path.resolve().stat()
-    identity = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{version}"
+    path = gguf_path.resolve()
+    stat = path.stat()
+    identity = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{version}"
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return cache_dir() / "transformers-reference" / f"{gguf_path.stem}-{digest}"
 
