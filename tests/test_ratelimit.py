@@ -285,6 +285,19 @@ async def test_refusal_reserves_nothing(limiter, unique_name):
     assert usage["requests_remaining"] == 63  # rpm + burst: no request was spent
 
 
+async def test_an_admission_run_twice_admits_and_charges_once(limiter, unique_name):
+    """The connection resends a command whose reply timed out, so the script can run twice for
+    one request: the second run finds the request counted and charges nothing more."""
+    limits = limits_for(unique_name, rpm=2, tpm=1000, daily_token_quota=1000)
+    assert (await admit_one(limiter, limits, T0, "a", 10, 20)).allowed
+    assert (await admit_one(limiter, limits, T0, "b", 10, 20)).allowed
+    again = await admit_one(limiter, limits, T0 + 0.5, "b", 10, 20)  # b fills the window itself
+    assert (again.allowed, again.remaining_requests, again.remaining_tokens) == (True, 0, 940)
+    usage = await limiter.usage(limits, now=T0 + 1)
+    assert (usage["tokens_today"], usage["tokens_this_minute"], usage["concurrency"]) == (60, 60, 2)
+    assert not (await admit_one(limiter, limits, T0 + 1, "c", 10, 20)).allowed
+
+
 # --- daily and monthly quotas --------------------------------------------------------------------
 
 

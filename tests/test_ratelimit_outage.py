@@ -21,7 +21,8 @@ def closed_port() -> int:
 
 
 class TcpProxy:
-    """Forwards a local port to Redis: `stop()` is an outage, `start()` again the recovery."""
+    """Forwards a local port to Redis: `stop()` is an outage, `start()` again the recovery;
+    `late_script_replies` script calls (EVALSHA) get their replies `reply_delay_s` late."""
 
     def __init__(self, target_url: str) -> None:
         target = urlparse(target_url)
@@ -30,6 +31,9 @@ class TcpProxy:
         self.server: asyncio.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
         self.tasks: set[asyncio.Task] = set()
+        self.late_script_replies = 0
+        self.reply_delay_s = 0.0
+        self.script_calls = 0
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._forward, "127.0.0.1", self.port)
@@ -46,15 +50,31 @@ class TcpProxy:
         self.tasks.add(asyncio.current_task())
         upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
         self.writers |= {client_writer, upstream_writer}
+        late = asyncio.Queue()  # one entry per script call whose reply is to be late
         await asyncio.gather(
-            pipe(client_reader, upstream_writer), pipe(upstream_reader, client_writer)
+            pipe(client_reader, upstream_writer, lambda data: self._count_scripts(data, late)),
+            pipe(upstream_reader, client_writer, lambda data: self._delay_reply(late)),
         )
         self.writers -= {client_writer, upstream_writer}
 
+    async def _count_scripts(self, data: bytes, late: asyncio.Queue) -> None:
+        calls = data.upper().count(b"EVALSHA")
+        self.script_calls += calls
+        for _ in range(min(calls, self.late_script_replies)):
+            self.late_script_replies -= 1
+            late.put_nowait(self.reply_delay_s)
 
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _delay_reply(self, late: asyncio.Queue) -> None:
+        if not late.empty():
+            await asyncio.sleep(late.get_nowait())
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, before=None) -> None:
+    """Copy until the end; `before(data)` is awaited before each chunk is written."""
     with suppress(ConnectionError):
         while data := await reader.read(65536):
+            if before is not None:
+                await before(data)
             writer.write(data)
             await writer.drain()
     writer.close()
@@ -178,3 +198,31 @@ async def test_script_flush_is_survived(redis_url, limits, backend):
         await client.aclose()
     assert admission.allowed and not admission.degraded
     assert usage["available"] and usage["tokens_today"] == 3 and usage["concurrency"] == 1
+
+
+async def test_a_reply_lost_to_a_timeout_admits_the_request_once(redis_url, unique_name):
+    """The connection resends a command whose reply timed out, so Redis runs the admission twice
+    for one request; at the limit the second run used to refuse the request its first run had
+    admitted (and charged it twice): replicas under load gave fewer than rpm requests."""
+    limits = TenantLimits(unique_name, rpm=2, daily_token_quota=1000)
+    proxy = TcpProxy(redis_url)
+    await proxy.start()
+    client = make_redis(f"redis://127.0.0.1:{proxy.port}/0", socket_timeout_s=0.1)
+    limiter = RateLimiter(client, on_error="closed")
+    try:
+        assert await limiter.load_scripts()
+        assert (await limiter.admit(limits, "a", 1, 1)).allowed
+        calls_before = proxy.script_calls
+        proxy.late_script_replies, proxy.reply_delay_s = 1, 0.3
+        resent = await limiter.admit(limits, "b", 1, 1)
+        calls = proxy.script_calls - calls_before
+        usage = await limiter.usage(limits)
+    finally:
+        await client.aclose()
+        await proxy.stop()
+        admin = make_redis(redis_url)
+        await admin.delete(*[key async for key in admin.scan_iter(match=f"*{unique_name}*")])
+        await admin.aclose()
+    assert calls == 2  # the late reply was given up on and the script sent again
+    assert (resent.allowed, resent.degraded, resent.remaining_requests) == (True, False, 0)
+    assert (usage["tokens_today"], usage["requests_remaining"], usage["concurrency"]) == (4, 0, 2)

@@ -10,6 +10,9 @@ to it (evenly, or all at once at the top of a window) is never refused. Cost per
 amortised (each admission is added once and removed once; N = admissions in the window, at
 most the limit), O(N) worst case when computing how long a refused client must wait for tokens;
 memory O(N) per tenant.
+
+Each script may run twice for one call (the connection resends a command whose reply timed out)
+and must mean the same then: an admission finds its own reservation, a completion finds none.
 """
 
 from __future__ import annotations
@@ -203,11 +206,13 @@ local function reserve(set)
 end
 
 -- what is left of each set's rate limits, counting this request when it was admitted
-local function reply(allowed, reason, wait, refused_by, sets)
+-- (`added`: 0 when the windows already count it)
+local function reply(allowed, reason, wait, refused_by, sets, added)
+  added = added or allowed
   local out = {allowed, reason, math.ceil(wait), refused_by}
   for _, set in ipairs(sets) do
-    local count = set.num_requests + allowed
-    local used = set.tokens_used + allowed * cost
+    local count = set.num_requests + added
+    local used = set.tokens_used + added * cost
     local requests_left, requests_reset, tokens_left, tokens_reset = -1, 0, -1, 0
     if set.capacity >= 0 then
       requests_left = math.max(0, set.capacity - count)
@@ -224,8 +229,12 @@ local function reply(allowed, reason, wait, refused_by, sets)
   return out
 end
 
+-- A resent call (redis-py resends a command whose reply timed out) finds its own reservation:
+-- it is admitted again and charged nothing more, so it can neither refuse itself nor pay twice.
+local resent = redis.call('EXISTS', KEYS[1]) == 1
 local sets = {}
 for i = 1, num_sets do sets[i] = read_set(i) end
+if resent then return reply(1, '', 0, 0, sets, 0) end
 for i, set in ipairs(sets) do
   local reason, wait = refusal(set)
   if reason then return reply(0, reason, wait, i, sets) end
