@@ -53,6 +53,14 @@ constexpr int kFlushSubs = 8;  // a lane takes 2 products a sub-block: 16 before
 
 inline W16 widen(__m256i u8) { return {_mm512_cvtepu8_epi16(u8)}; }
 inline W16 widen_signed(__m256i s8) { return {_mm512_cvtepi8_epi16(s8)}; }
+// 16 bytes of packed nibbles (value i low, value i + 16 high) -> the 32 values
+inline W16 nibbles16(const uint8_t* p) { return widen(nibbles_low_then_high(p)); }
+// 32 signed bytes -> the 32 values
+inline W16 signed16(const uint8_t* p) {
+  return widen_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// a Q4_K block's sub-block j: the low (j even) or high nibbles of 32 bytes
+inline W16 k4_nibbles16(const uint8_t* qs, int j) { return widen(k4_k5_codes(qs, nullptr, j)); }
 inline W16 minus(W16 w, int16_t zero) { return {_mm512_sub_epi16(w.v, _mm512_set1_epi16(zero))}; }
 inline W16 times(W16 w, int16_t first16, int16_t last16) {
   const __m512i scales = _mm512_inserti64x4(_mm512_set1_epi16(first16), _mm256_set1_epi16(last16), 1);
@@ -93,8 +101,25 @@ constexpr int kFlushSubs = 4;  // a lane takes 4 products a sub-block
 inline W16 widen(__m256i u8) {
   return {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u8)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u8, 1))};
 }
-inline W16 widen_signed(__m256i s8) {
-  return {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(s8)), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(s8, 1))};
+// Widening straight from memory (vpmovzxbw ymm, m128) is one instruction per 16 values; a
+// 32-byte register widens in three (two of them lane-crossing) after it is assembled.
+inline __m256i bytes16(const uint8_t* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline W16 nibbles16(const uint8_t* p) {
+  const __m256i w = bytes16(p);
+  return {_mm256_and_si256(w, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(w, 4)};
+}
+inline W16 signed16(const uint8_t* p) {
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline W16 k4_nibbles16(const uint8_t* qs, int j) {
+  const uint8_t* p = qs + (j / 2) * 32;
+  const __m256i low = bytes16(p), high = bytes16(p + 16);
+  if (j % 2) return {_mm256_srli_epi16(low, 4), _mm256_srli_epi16(high, 4)};
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  return {_mm256_and_si256(low, mask), _mm256_and_si256(high, mask)};
 }
 inline W16 minus(W16 w, int16_t zero) {
   const __m256i z = _mm256_set1_epi16(zero);
@@ -161,15 +186,15 @@ inline BlockHeader header_of(const uint8_t* b) {
 // sub-block j of block b as 16-bit integers: every integer of the type folded in
 template <int64_t kType>
 inline W16 weights16(const uint8_t* b, int j, const BlockHeader& h) {
-  if constexpr (kType == Q4_0) return minus(widen(nibbles_low_then_high(b + 2)), 8);
-  if constexpr (kType == Q4_1) return widen(nibbles_low_then_high(b + 4));
+  if constexpr (kType == Q4_0) return minus(nibbles16(b + 2), 8);
+  if constexpr (kType == Q4_1) return nibbles16(b + 4);
   if constexpr (kType == Q5_0) {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
     return minus(widen(_mm256_or_si256(nibbles_low_then_high(b + 6), bit_bytes(qh))), 16);
   }
-  if constexpr (kType == Q8_0) return widen_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)));
-  if constexpr (kType == Q4_K) return times(widen(k4_k5_codes(b + 16, nullptr, j)), h.scales[j], h.scales[j]);
+  if constexpr (kType == Q8_0) return signed16(b + 2);
+  if constexpr (kType == Q4_K) return times(k4_nibbles16(b + 16, j), h.scales[j], h.scales[j]);
   if constexpr (kType == Q5_K) {
     const __m256i high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     return times(widen(k4_k5_codes(b + 48, &high_bits, j)), h.scales[j], h.scales[j]);
