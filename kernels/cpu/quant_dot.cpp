@@ -20,10 +20,11 @@
 // The offsets that are floats (Q4_1's m, Q4_K/Q5_K's dmin * min_j) are summed apart, against
 // the sums of x's represented values per sub-block. Bounds: |w16| <= 4096 (Q6_K), |xq| <= 32767,
 // and a lane sums at most 16 products between conversions: below 2^31.
-// Threads over groups of weight rows; a group's rows are read side by side, each x sub-block
-// loaded once for all of them, a chain of accumulators per (weight row, x row), and the next
-// group prefetched as this one is read. A row of x comes out the same whatever rows run beside
-// it. The weight bytes are read once per call (for up to kMaxRows rows of x).
+// Threads over bands of weight rows; every pass of kMaxRows rows of x runs over a band while
+// it is in cache, so the weight bytes are read from memory once per call whatever the rows. A
+// tile's rows are read side by side, each x sub-block loaded once for all of them, a chain of
+// accumulators per (weight row, x row), and the next tile prefetched as this one is read. A row
+// of x comes out the same whatever rows run beside it.
 // Oracle: gguf-py's dequantize then a float matmul (tests/test_quant_kernels.py).
 
 #include <ATen/Parallel.h>
@@ -371,19 +372,41 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
     for (int r = 0; r < R; ++r) y[(r0 + r) * out + o0 + i] = static_cast<T>(total(acc[i][r]));
 }
 
-// y [rows, out] in x's dtype: threads over groups of weight rows, each read once per call
+// weight rows that every pass over x's rows reads while they are still in L1/L2 (a multiple of
+// every tile width: 1, 2, 3, 4, 8), so that many rows read the weights from memory once, not
+// once per pass of kMaxRows
+constexpr int64_t kBandRows = 24;
+
+// one pass of R rows of x (from r0) over weight rows [begin, end), a tile of them at a time
 template <int64_t kType, int R, typename T>
-void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t r0, int64_t out,
-              T* y) {
+void dot_pass(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t r0, int64_t begin,
+              int64_t end, int64_t out, T* y, float* q4_1_m) {
   constexpr int kOut = tile_out<kType, R>();
-  const int64_t groups = (out + kOut - 1) / kOut;
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> q4_1_m(kType == Q4_1 ? kOut * xq.sums_stride : 0, 0.f);  // [kOut, sums_stride]
-    for (int64_t g = begin; g < end; ++g) {
-      const int valid = static_cast<int>(std::min<int64_t>(kOut, out - g * kOut));
-      dot_tile<kType, kOut, R>(w, row_bytes, in, xq, r0, g * kOut, valid, out, y, q4_1_m.data());
+  static_assert(kBandRows % kOut == 0, "a band holds whole tiles");
+  for (int64_t o0 = begin; o0 < end; o0 += kOut) {
+    const int valid = static_cast<int>(std::min<int64_t>(kOut, end - o0));
+    dot_tile<kType, kOut, R>(w, row_bytes, in, xq, r0, o0, valid, out, y, q4_1_m);
+  }
+}
+
+// every pass over one band of weight rows: kMaxRows rows of x each, the last the rest
+template <int64_t kType, typename T>
+void dot_band(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRows& xq, int64_t rows, int64_t begin,
+              int64_t end, int64_t out, T* y, float* q4_1_m) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    switch (std::min<int64_t>(kMaxRows, rows - r0)) {
+      case 1: dot_pass<kType, 1>(w, row_bytes, in, xq, r0, begin, end, out, y, q4_1_m); break;
+      case 2: dot_pass<kType, 2>(w, row_bytes, in, xq, r0, begin, end, out, y, q4_1_m); break;
+      case 3: dot_pass<kType, 3>(w, row_bytes, in, xq, r0, begin, end, out, y, q4_1_m); break;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      case 4: dot_pass<kType, 4>(w, row_bytes, in, xq, r0, begin, end, out, y, q4_1_m); break;
+      case 5: dot_pass<kType, 5>(w, row_bytes, in, xq, r0, begin, end, out, y, q4_1_m); break;
+      default: dot_pass<kType, 6>(w, row_bytes, in, xq, r0, begin, end, out, y, q4_1_m); break;
+#else
+      default: dot_pass<kType, 4>(w, row_bytes, in, xq, r0, begin, end, out, y, q4_1_m); break;
+#endif
     }
-  });
+  }
 }
 
 // values of x sharing a step: a K-quant's block; for the others the most of 256, 128, 64 and 32
@@ -396,23 +419,17 @@ int64_t x_group(int64_t in) {
   return group;
 }
 
+// y [rows, out] in x's dtype: threads over bands of weight rows, each read from memory once
 template <int64_t kType, typename T>
 void dot_type(const uint8_t* w, int64_t row_bytes, int64_t in, const T* x, int64_t rows, int64_t out, T* y) {
   const QuantizedRows& xq = quantize_rows(x, rows, in, x_group<kType>(in));
-  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-    switch (std::min<int64_t>(kMaxRows, rows - r0)) {
-      case 1: dot_rows<kType, 1>(w, row_bytes, in, xq, r0, out, y); break;
-      case 2: dot_rows<kType, 2>(w, row_bytes, in, xq, r0, out, y); break;
-      case 3: dot_rows<kType, 3>(w, row_bytes, in, xq, r0, out, y); break;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      case 4: dot_rows<kType, 4>(w, row_bytes, in, xq, r0, out, y); break;
-      case 5: dot_rows<kType, 5>(w, row_bytes, in, xq, r0, out, y); break;
-      default: dot_rows<kType, 6>(w, row_bytes, in, xq, r0, out, y); break;
-#else
-      default: dot_rows<kType, 4>(w, row_bytes, in, xq, r0, out, y); break;
-#endif
-    }
-  }
+  const int64_t bands = (out + kBandRows - 1) / kBandRows;
+  at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q4_1_m(kType == Q4_1 ? 8 * xq.sums_stride : 0, 0.f);  // [a tile's rows, sums_stride]
+    for (int64_t band = begin; band < end; ++band)
+      dot_band<kType>(w, row_bytes, in, xq, rows, band * kBandRows, std::min(out, (band + 1) * kBandRows), out, y,
+                      q4_1_m.data());
+  });
 }
 
 template <typename T>
