@@ -34,7 +34,9 @@ SOURCES = tuple(
         "decode_layer.cpp",
     )
 )
-HEADERS = tuple(Path(__file__).parent / "cpu" / name for name in ("gguf_blocks.h",))
+HEADERS = tuple(
+    Path(__file__).parent / "cpu" / name for name in ("gguf_blocks.h", "quantized_rows.h")
+)
 LIBRARY = "conveyor_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 
