@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import fnmatch
+from pathlib import Path
+
 import pytest
+import tomllib
 import torch
 
 from kernels import native, reference
@@ -97,3 +101,15 @@ def test_backend_uses_the_native_decode_on_cpu(ops):
     assert AttentionBackend(torch.device("cpu"), BLOCK_SIZE, torch.bfloat16).native is ops
     # float16: the reference's planned groups, decided once, not per layer call
     assert AttentionBackend(torch.device("cpu"), BLOCK_SIZE, torch.float16).native is None
+
+
+def test_every_file_the_build_reads_ships_in_the_package():
+    """A wheel install (the Docker image's) builds the kernels from the package's own copy: a
+    source or header the package data leaves out fails that build, and the references run."""
+    root = Path(native.__file__).resolve().parent.parent
+    with open(root / "pyproject.toml", "rb") as file:
+        shipped = tomllib.load(file)["tool"]["setuptools"]["package-data"]["kernels"]
+    needed = [
+        path.relative_to(root / "kernels").as_posix() for path in native.SOURCES + native.HEADERS
+    ]
+    assert [name for name in needed if not any(fnmatch.fnmatch(name, g) for g in shipped)] == []
