@@ -229,6 +229,7 @@ template <int64_t kType>
 constexpr int kChunkSubs = kSubsPerBlock<kType> < kFlushSubs ? kSubsPerBlock<kType> : kFlushSubs;
 
 constexpr int kSpareRegisters = 4;  // x's loads, a block's scales, masks
+constexpr int kMaxTileOut = 8;     // the most weight rows a tile reads side by side
 
 // weight rows a tile reads side by side: as many as the registers hold with R rows of x beside
 // a chunk's unpacked weights (a float accumulator per pair; two where blocks sum per group)
@@ -237,7 +238,7 @@ constexpr int tile_out() {
   constexpr int unpacked = kChunkSubs<kType> * static_cast<int>(sizeof(W16) / sizeof(IntSum));
   constexpr int per_pair = kSubsPerBlock<kType> > 1 ? 1 : 2;
   constexpr int fit = (kRegisters - kSpareRegisters - unpacked) / (per_pair * R);
-  return fit >= 8 ? 8 : fit >= 4 ? 4 : fit < 1 ? 1 : fit;
+  return fit >= kMaxTileOut ? kMaxTileOut : fit >= 4 ? 4 : fit < 1 ? 1 : fit;
 }
 
 // y for R rows of x (from row r0) and kOut weight rows (from o0; `valid` of them stored). A
@@ -361,7 +362,7 @@ void dot_type(const uint8_t* w, int64_t row_bytes, int64_t in, const T* x, int64
   const QuantizedRows& xq = quantize_rows(x, rows, in, x_group<kType>(in));
   const int64_t bands = (out + kBandRows - 1) / kBandRows;
   at::parallel_for(0, bands, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q4_1_m(kType == Q4_1 ? 8 * xq.sums_stride : 0, 0.f);  // [a tile's rows, sums_stride]
+    std::vector<float> q4_1_m(kType == Q4_1 ? kMaxTileOut * xq.sums_stride : 0, 0.f);  // [kMaxTileOut, sums_stride]
     for (int64_t band = begin; band < end; ++band)
       dot_band<kType>(w, row_bytes, in, xq, rows, band * kBandRows, std::min(out, (band + 1) * kBandRows), out, y,
                       q4_1_m.data());
