@@ -30,6 +30,8 @@ namespace {
 using namespace conveyor_gguf;
 
 constexpr int kLanes = 16;                 // rows of x in a vector, one a lane
+constexpr int kGroup = 32;                 // values of x sharing a step: a multiple of every
+                                           // type's sub-block
 constexpr int kColumns = 6;                // weight rows a step: with 2 row blocks 12 chains of
                                            // vpdpbusd hide its latency (4 ran at half the rate)
 
@@ -46,7 +48,8 @@ constexpr bool kFloatOffset = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
 // codes: [rows / 16 (rounded up)][in / 4][16 rows][4 values], padding rows 0;
 // steps: [row blocks][in / group][16];
 // starts: [row blocks][in / sub][16] int32, -zero_point * sum(q) over each sub-block: where a
-// sub-block's integer sum starts; sums: the same, float sum(q) (for the float offsets)
+// sub-block's integer sum starts; sums: the same, step * sum(q), the sum of the values x8 holds
+// (for the float offsets)
 struct QuantizedRows {
   std::vector<int8_t> codes;
   std::vector<float> steps, sums;
@@ -69,13 +72,14 @@ void quantize_row(const T* x, int64_t r, int64_t in, int sub_values, int zero_po
     __m512 amax = _mm512_setzero_ps();
     for (int64_t k = 0; k < q.group; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(values + k)));
     const float top = _mm512_reduce_max_ps(amax);
-    q.steps[(block * groups + g) * kLanes + lane] = top / 127.f;
+    const float step = top / 127.f;
+    q.steps[(block * groups + g) * kLanes + lane] = step;
     const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
     for (int64_t k = 0; k < q.group; k += 16) {
       const __m512i ints = _mm512_cvtps_epi32(_mm512_mul_ps(load16(values + k), inverse));  // nearest even
       const int64_t at = g * q.group + k, sub = (block * subs + at / sub_values) * kLanes + lane;
       const int32_t sum = _mm512_reduce_add_epi32(ints);
-      q.sums[sub] += static_cast<float>(sum);
+      q.sums[sub] += step * static_cast<float>(sum);
       q.starts[sub] -= zero_point * sum;
       alignas(16) uint32_t four[4];
       _mm_store_si128(reinterpret_cast<__m128i*>(four), _mm512_cvtepi32_epi8(ints));
@@ -134,16 +138,36 @@ inline void store16(__m512 v, T* dst) {
   }
 }
 
-// out[rb][j][lane] = row (b0 + rb) * 16 + lane of x . the tile's weight row j, for RB row blocks
+// the blocks of the next tile's weight rows, fetched into L1 a share per sub-block while this tile
+// multiplies: otherwise they stream from memory only when unpacked, and the multiplies, which read
+// no memory, leave the memory idle (the unpacking of Q8_0, a load, a xor and a store, took 40% of
+// the time of the multiplies it feeds)
+struct Ahead {
+  const uint8_t* bytes = nullptr;
+  int64_t size = 0;
+
+  void fetch_share(int64_t s, int64_t subs) const {
+    const int64_t share = (size / subs + 64) & ~int64_t{63};
+    for (int64_t at = s * share; at < std::min(size, (s + 1) * share); at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + at), _MM_HINT_T0);
+  }
+};
+
+// out[rb][j][lane] = row (b0 + rb) * 16 + lane of x . the tile's weight row j, for RB row blocks.
+// Registers: 12 integer chains and 12 float sums (RB 2); the group of x's steps and the sub-block
+// are compile-time (a division by a run-time group was two idivs a sub-block), and each sub-block
+// adds straight into the float sums (a second set of 12 partial sums spilled to the stack)
 template <int64_t kType, int RB, typename T>
-void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t in, T out[RB][kColumns][kLanes]) {
-  constexpr int kSub = kSubValues<kType>;
-  const int64_t subs = in / kSub, subs_per_group = x.group / kSub, groups = in / x.group;
-  __m512 y[RB][kColumns], f[RB][kColumns];
+void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t in, const Ahead& ahead,
+                   T out[RB][kColumns][kLanes]) {
+  constexpr int kSub = kSubValues<kType>, kSubsPerGroup = kGroup / kSub;
+  const int64_t subs = in / kSub, groups = in / kGroup;
+  __m512 y[RB][kColumns];
   for (int rb = 0; rb < RB; ++rb)
-    for (int j = 0; j < kColumns; ++j) y[rb][j] = f[rb][j] = _mm512_setzero_ps();
+    for (int j = 0; j < kColumns; ++j) y[rb][j] = _mm512_setzero_ps();
   const uint8_t* w = tile.codes.data();
   for (int64_t s = 0; s < subs; ++s) {
+    ahead.fetch_share(s, subs);
     __m512i acc[RB][kColumns];
     for (int rb = 0; rb < RB; ++rb) {
       const __m512i start = _mm512_loadu_si512(x.starts.data() + ((b0 + rb) * subs + s) * kLanes);
@@ -151,6 +175,7 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
     }
     const int8_t* xs = x.codes.data() + (b0 * in + s * kSub) * kLanes;
     const uint8_t* ws = w + s * kSub;
+#pragma GCC unroll 8
     for (int k = 0; k < kSub; k += 4) {
       __m512i xv[RB];
       for (int rb = 0; rb < RB; ++rb) xv[rb] = _mm512_loadu_si512(xs + (rb * in + k) * kLanes);
@@ -161,25 +186,19 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
         for (int rb = 0; rb < RB; ++rb) acc[rb][j] = _mm512_dpbusd_epi32(acc[rb][j], wv, xv[rb]);
       }
     }
-    for (int j = 0; j < kColumns; ++j) {
-      const __m512 scale = _mm512_set1_ps(tile.scales[j * subs + s]);
-      for (int rb = 0; rb < RB; ++rb) f[rb][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[rb][j]), scale, f[rb][j]);
+    const int64_t g = s / kSubsPerGroup;
+    for (int rb = 0; rb < RB; ++rb) {
+      const __m512 step = load16(x.steps.data() + ((b0 + rb) * groups + g) * kLanes);
+      for (int j = 0; j < kColumns; ++j) {
+        const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[rb][j]), step);
+        y[rb][j] = _mm512_fmadd_ps(sum, _mm512_set1_ps(tile.scales[j * subs + s]), y[rb][j]);
+      }
     }
     if constexpr (kFloatOffset<kType>) {
       for (int rb = 0; rb < RB; ++rb) {
         const __m512 sums = load16(x.sums.data() + ((b0 + rb) * subs + s) * kLanes);
         for (int j = 0; j < kColumns; ++j)
-          f[rb][j] = _mm512_fmadd_ps(sums, _mm512_set1_ps(tile.offsets[j * subs + s]), f[rb][j]);
-      }
-    }
-    if ((s + 1) % subs_per_group == 0) {
-      const int64_t g = s / subs_per_group;
-      for (int rb = 0; rb < RB; ++rb) {
-        const __m512 step = load16(x.steps.data() + ((b0 + rb) * groups + g) * kLanes);
-        for (int j = 0; j < kColumns; ++j) {
-          y[rb][j] = _mm512_fmadd_ps(f[rb][j], step, y[rb][j]);
-          f[rb][j] = _mm512_setzero_ps();
-        }
+          y[rb][j] = _mm512_fmadd_ps(sums, _mm512_set1_ps(tile.offsets[j * subs + s]), y[rb][j]);
       }
     }
   }
@@ -189,10 +208,11 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
 
 // y[rows, out] of the tile's `count` weight rows, from o0
 template <int64_t kType, int RB, typename T>
-void store_blocks(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t count, int64_t in, int64_t rows,
+void store_blocks(const QuantizedRows& x, int64_t b0, const Tile& tile, const Ahead& ahead, int64_t count, int64_t in,
+                  int64_t rows,
                   T* y, int64_t out, int64_t o0) {
   T results[RB][kColumns][kLanes];
-  block_product<kType, RB>(x, b0, tile, in, results);
+  block_product<kType, RB>(x, b0, tile, in, ahead, results);
   for (int rb = 0; rb < RB; ++rb) {
     for (int lane = 0; lane < kLanes; ++lane) {
       const int64_t r = (b0 + rb) * kLanes + lane;
@@ -214,10 +234,9 @@ template <int64_t kType, typename T>
 void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, T* yp) {
   constexpr int kSub = kSubValues<kType>;
   const int64_t row_bytes = row_bytes_of(kType, in), subs = in / kSub;
-  const int64_t group = 32;  // values of x sharing a step: also a multiple of kSub
   thread_local QuantizedRows callers;  // reused: a hundred calls a step
   QuantizedRows& x = callers;           // the workers read the caller's, not their own
-  quantize_rows(xp, rows, in, group, kSub, kZeroPoint<kType>, x);
+  quantize_rows(xp, rows, in, kGroup, kSub, kZeroPoint<kType>, x);
   // each thread a run of weight rows, unpacked kColumns at a time just before they multiply: the
   // blocks stream from memory all along (unpacking a 256 KiB tile at once waited on memory)
   at::parallel_for(0, (out + kColumns - 1) / kColumns, 1, [&](int64_t begin, int64_t end) {
@@ -233,9 +252,12 @@ void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, 
         for (auto* v : {&tile.scales, &tile.offsets})
           std::fill(v->begin() + count * subs, v->begin() + kColumns * subs, 0.f);
       }
+      const int64_t next = std::min(out, o0 + kColumns);
+      const Ahead ahead{w + next * row_bytes, (std::min(out, next + kColumns) - next) * row_bytes};
       int64_t b = 0;
-      for (; b + 2 <= x.blocks; b += 2) store_blocks<kType, 2>(x, b, tile, count, in, rows, yp, out, o0);
-      if (b < x.blocks) store_blocks<kType, 1>(x, b, tile, count, in, rows, yp, out, o0);
+      for (; b + 2 <= x.blocks; b += 2)
+        store_blocks<kType, 2>(x, b, tile, b == 0 ? ahead : Ahead{}, count, in, rows, yp, out, o0);
+      if (b < x.blocks) store_blocks<kType, 1>(x, b, tile, b == 0 ? ahead : Ahead{}, count, in, rows, yp, out, o0);
     }
   });
 }
