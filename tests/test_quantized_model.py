@@ -87,15 +87,29 @@ def test_mixed_types_in_one_fused_projection_run_side_by_side():
 
 
 def test_gemma3_keeps_its_perplexity_with_the_default_activations():
-    """8-bit activations moved Gemma 3's perplexity by 0.84-1.21% (`bench quant-accuracy`, 2,048
-    tokens): its default (auto) keeps prompt rows in --dtype, which stays within 0.5%."""
+    """8-bit activations moved Gemma 3's perplexity by 0.84-2.8% (`bench quant-accuracy`, 512 to
+    2,048 tokens): its default (auto) keeps prompt rows in --dtype. bfloat16 alone moves it too,
+    by -0.2 to +0.4% and 1.9-3% of the argmaxes, by host (the file dequantized to bfloat16: same
+    weights, no quantized kernel), so the quantized path is held to bfloat16's own distance from
+    float32 plus the 0.5% the issue allows. With int8 activations it failed by both measures."""
     pull(GEMMA)
-    engines = {q: engine_for(GEMMA, q, dtype=d) for q, d in (("gguf", "auto"), ("none", "float32"))}
+    engines = {"gguf": engine_for(GEMMA, "gguf", dtype="auto"), "none": engine_for(GEMMA, "none")}
     assert not engines["gguf"].runner.int8_activations
+    dtype = str(engines["gguf"].runner.dtype).removeprefix("torch.")  # bfloat16 where native
+    engines["dequantized"] = engine_for(GEMMA, "none", dtype=dtype)
     ids = fixed_text_ids(engines["none"], 512)
-    ours, oracle = (teacher_forced(engines[q], ids) for q in ("gguf", "none"))
-    assert (ours.argmax == oracle.argmax).double().mean().item() >= 0.97
-    assert abs(ours.perplexity / oracle.perplexity - 1) < 0.005
+    ours, oracle, same_dtype = (
+        teacher_forced(engines[n], ids) for n in ("gguf", "none", "dequantized")
+    )
+
+    def agreement(result) -> float:
+        return (result.argmax == oracle.argmax).double().mean().item()
+
+    def perplexity_change(result) -> float:
+        return abs(result.perplexity / oracle.perplexity - 1)
+
+    assert agreement(ours) >= agreement(same_dtype) - 0.01
+    assert perplexity_change(ours) < perplexity_change(same_dtype) + 0.005
 
 
 @pytest.mark.parametrize(
