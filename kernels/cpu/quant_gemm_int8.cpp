@@ -138,21 +138,6 @@ inline void store16(__m512 v, T* dst) {
   }
 }
 
-// the blocks of the next tile's weight rows, fetched into L1 a share per sub-block while this tile
-// multiplies: otherwise they stream from memory only when unpacked, and the multiplies, which read
-// no memory, leave the memory idle (the unpacking of Q8_0, a load, a xor and a store, took 40% of
-// the time of the multiplies it feeds)
-struct Ahead {
-  const uint8_t* bytes = nullptr;
-  int64_t size = 0;
-
-  void fetch_share(int64_t s, int64_t subs) const {
-    const int64_t share = (size / subs + 64) & ~int64_t{63};
-    for (int64_t at = s * share; at < std::min(size, (s + 1) * share); at += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + at), _MM_HINT_T0);
-  }
-};
-
 // out[rb][j][lane] = row (b0 + rb) * 16 + lane of x . the tile's weight row j, for RB row blocks.
 // Registers: 12 integer chains and 12 float sums (RB 2); the group of x's steps and the sub-block
 // are compile-time (a division by a run-time group was two idivs a sub-block), and each sub-block

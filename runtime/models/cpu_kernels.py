@@ -19,8 +19,9 @@ DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel (one pass: 
 # AVX-512); more dequantize tiles (quant_gemm for bfloat16: at 4-6 rows it took 1.5-1.8x longer)
 SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2): dequantizing a tile is
 # scalar there, and quant_dot, a pass per 4 rows, stays faster up to about 48 rows
-INT8_GEMM_ROWS = 16  # from this many rows bfloat16 rows take quant_gemm_int8: it multiplies 16
-# rows at a time, and below 16 the bfloat16 tiles were faster (docs/benchmarks.md)
+INT8_GEMM_ROWS = DECODE_ROWS + 1  # from this many rows bfloat16 rows take quant_gemm_int8: with
+# the next tile's blocks fetched as it multiplies, it took 25-27 ms for Qwen 0.5B's matmuls at
+# 8-12 rows where the bfloat16 tiles took 40-45 (docs/benchmarks.md, 2026-11-27)
 
 
 @functools.cache
