@@ -89,6 +89,11 @@ async def test_a_revoked_key_is_refused_by_the_other_replica_within_a_second(
 
     assert await wait_for(refused, timeout_s=1.0, interval_s=0.05)
     assert time.monotonic() - started < 1.0
+    for method, path, body in (("PATCH", "", {"name": "x"}), ("POST", "/rotate", None)):
+        status, answer = await admin_call(two[0], method, f"/keys/{key['id']}{path}", body)
+        assert status == 409, answer  # revoked stays revoked, as it was
+    listed = await admin_call(two[0], "GET", f"/tenants/{tenant['id']}/keys")
+    assert [k["name"] for k in listed[1]["items"]] == [key["name"]]
 
 
 async def test_patch_changes_scopes_and_expiry_on_every_replica(two, unique_name, tiny_model_dir):

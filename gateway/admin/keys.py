@@ -3,7 +3,7 @@ rotated with a grace period and revoked.
 
     POST   /admin/tenants/{tenant_id}/keys   KeyCreate (optional) -> 201 KeyCreated
     GET    /admin/tenants/{tenant_id}/keys   -> KeyList (states, scopes, limits; never keys)
-    PATCH  /admin/keys/{key_id}              KeyPatch -> ApiKeyOut
+    PATCH  /admin/keys/{key_id}              KeyPatch -> ApiKeyOut (409 once revoked)
     POST   /admin/keys/{key_id}/rotate       KeyRotate -> 201 KeyRotated (the new key, once)
     DELETE /admin/keys/{key_id}              -> ApiKeyOut (revoked)
 
@@ -23,7 +23,7 @@ from gateway.admin.tenants import body_error, int_param, json_model, not_found, 
 from gateway.appkeys import AUTHENTICATOR, SESSIONMAKER, SETTINGS
 from gateway.errors import APIError
 from gateway.jsonbody import read_raw
-from gateway.tenancy.key_lifecycle import KeyNotRotatable, rotate_key, update_key
+from gateway.tenancy.key_lifecycle import KeyNotRotatable, KeyRevoked, rotate_key, update_key
 from gateway.tenancy.key_models import ApiKeyOut, KeyCreate, KeyPatch, KeyRotate
 from gateway.tenancy.keys import ApiKeyNotFound, KeyHasher, create_key, list_keys, revoke_key
 from gateway.tenancy.tenants import TenantNotFound
@@ -99,6 +99,8 @@ async def update_key_handler(request: web.Request) -> web.Response:
             key = ApiKeyOut.model_validate(await update_key(session, key_id, patch))
     except (ApiKeyNotFound, StaleDataError):
         raise APIError(404, f"no API key with id {key_id}", code="not_found") from None
+    except KeyRevoked as error:
+        raise conflict(str(error), "key_revoked") from None
     except ValidationError as error:
         raise body_error(error) from None
     except ValueError as error:

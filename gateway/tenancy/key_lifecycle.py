@@ -20,6 +20,10 @@ class KeyNotRotatable(ValueError):
     """A revoked key, or one already rotated, cannot be rotated (again)."""
 
 
+class KeyRevoked(ValueError):
+    """A revoked key stays on record as it was revoked: it cannot be changed."""
+
+
 async def load_key(session: AsyncSession, key_id: int) -> ApiKey:
     key = await session.get(ApiKey, key_id)
     if key is None:
@@ -30,6 +34,8 @@ async def load_key(session: AsyncSession, key_id: int) -> ApiKey:
 async def update_key(session: AsyncSession, key_id: int, patch: KeyPatch) -> ApiKey:
     """Apply the fields given in `patch` (null clears); `duration` counts from now."""
     key = await load_key(session, key_id)
+    if key.revoked_at is not None:
+        raise KeyRevoked(f"API key {key_id} is revoked: it cannot be changed")
     given = patch.model_dump(exclude_unset=True)
     if "expires_at" in given or "duration" in given:
         key.expires_at = patch.expiry(utcnow())
