@@ -8,7 +8,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.models import fused_decode
+from runtime.models import cpu_kernels, fused_decode
 from runtime.models.catalog import pull
 from scheduler.request import SamplingParams
 
@@ -57,14 +57,33 @@ def test_decode_steps_match_the_modules_bit_for_bit(model, dtype):
     assert decode_steps >= 10
 
 
+def test_a_full_batch_matches_the_modules_bit_for_bit(fused_calls):
+    """Decode steps of more sequences than the few-rows kernel takes: the fused layers call the
+    full batch's matmul (8-bit tiles on AVX-512 VNNI, else the one the modules take)."""
+    many = [list(range(1000 + 50 * i, 1010 + 50 * i)) for i in range(cpu_kernels.DECODE_ROWS + 4)]
+    runs = {}
+    for fused in (True, False):
+        engine, seen = recording_engine(QWEN, fused, max_num_seqs=len(many))
+        requests = engine.generate(many, greedy(4))
+        runs[fused] = ([r.output_token_ids for r in requests], seen)
+    assert runs[True][0] == runs[False][0]
+    widths = []
+    for (prefill, fused), (_, modules) in zip(runs[True][1], runs[False][1], strict=True):
+        assert torch.equal(fused, modules)
+        widths += [] if prefill else [fused.shape[0]]
+    assert widths and all(w == len(many) for w in widths)
+    layers = len(engine.runner.model.layers)
+    assert fused_calls == [len(many)] * layers * len(widths)
+
+
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[int]:
     """The number of tokens of every fused layer call."""
     calls, call = [], fused_decode.FusedLayer.__call__
 
-    def counted(self, x, residual, ctx):
+    def counted(self, x, residual, ctx, matmul):
         calls.append(x.shape[0])
-        return call(self, x, residual, ctx)
+        return call(self, x, residual, ctx, matmul)
 
     monkeypatch.setattr(fused_decode.FusedLayer, "__call__", counted)
     return calls

@@ -1,6 +1,8 @@
 // One decoder layer of a decode step (Llama, Qwen2, Mistral) in one call: the same ops, in the
 // same order, as runtime/models/llama.py's layer over runtime/models/layers.py's modules, called
-// through the dispatcher from here instead of from Python. A SmolLM2 decode step makes about 25
+// through the dispatcher from here instead of from Python. The projections take the GGUF matmul
+// the modules would take at this step's row count (`matmul`: quant_dot for a few rows,
+// quant_gemm_int8 or quant_gemm for a full batch; runtime/models/cpu_kernels.py decides). A SmolLM2 decode step makes about 25
 // small calls a layer; from Python each costs microseconds of interpreter and binding, which came
 // to a third of the step (measured: 5-6 ms of 13-17). The results are bit for bit the unfused
 // layer's (tests/test_decode_layer.py): every number comes from the same kernels.
@@ -29,10 +31,20 @@ c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-Tensor quant_dot(const Tensor& x, const Tensor& blocks, int64_t type, int64_t out, int64_t in) {
-  static const auto op =
-      typed_op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>("conveyor_cpu::quant_dot");
-  return op.call(x, blocks, type, out, in);
+using Matmul = c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t)>;
+
+// the GGUF matmul of that name: every one takes (x, blocks, ggml type, out, in)
+const Matmul& matmul_named(c10::string_view name) {
+  using Signature = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t);
+  static const Matmul dot = typed_op<Signature>("conveyor_cpu::quant_dot");
+  static const Matmul floats = typed_op<Signature>("conveyor_cpu::quant_matmul");
+  static const Matmul int8 = typed_op<Signature>("conveyor_cpu::quant_gemm_int8");
+  static const Matmul tiles = typed_op<Signature>("conveyor_cpu::quant_gemm");
+  if (name == "quant_dot") return dot;
+  if (name == "quant_matmul") return floats;
+  if (name == "quant_gemm_int8") return int8;
+  TORCH_CHECK(name == "quant_gemm", "decode_layer: no GGUF matmul named ", name);
+  return tiles;
 }
 
 std::tuple<Tensor, Tensor> rms_norm(const Tensor& x, const Tensor& weight, double eps,
@@ -44,13 +56,13 @@ std::tuple<Tensor, Tensor> rms_norm(const Tensor& x, const Tensor& weight, doubl
 }
 
 // x [T, in] @ the projection's parts, side by side, plus the bias where there is one
-Tensor project(const Tensor& x, const std::vector<Tensor>& parts, c10::IntArrayRef types,
+Tensor project(const Matmul& matmul, const Tensor& x, const std::vector<Tensor>& parts, c10::IntArrayRef types,
                const c10::optional<Tensor>& bias) {
   TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "decode_layer: one ggml type per part");
   const int64_t in = x.size(1);
   std::vector<Tensor> outs;
   outs.reserve(parts.size());
-  for (size_t i = 0; i < parts.size(); ++i) outs.push_back(quant_dot(x, parts[i], types[i], parts[i].size(0), in));
+  for (size_t i = 0; i < parts.size(); ++i) outs.push_back(matmul.call(x, parts[i], types[i], parts[i].size(0), in));
   Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, -1);
   return bias ? y + bias->to(y.scalar_type()) : y;
 }
@@ -60,7 +72,7 @@ struct Projection {
   c10::IntArrayRef types;
 };
 
-Tensor attention(const Tensor& h, const Projection& qkv, const c10::optional<Tensor>& qkv_bias,
+Tensor attention(const Matmul& matmul, const Tensor& h, const Projection& qkv, const c10::optional<Tensor>& qkv_bias,
                  const Projection& o, int64_t heads, int64_t kv_heads, int64_t dim, const Tensor& cos,
                  const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
                  const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t sliding_window) {
@@ -71,14 +83,14 @@ Tensor attention(const Tensor& h, const Projection& qkv, const c10::optional<Ten
   static const auto decode = typed_op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                              const Tensor&, double, int64_t)>("conveyor_cpu::paged_attention_decode");
   const int64_t tokens = h.size(0), q_size = heads * dim, kv_size = kv_heads * dim;
-  const Tensor mixed = project(h, qkv.parts, qkv.types, qkv_bias);  // [T, q_size + 2 kv_size]
+  const Tensor mixed = project(matmul, h, qkv.parts, qkv.types, qkv_bias);  // [T, q_size + 2 kv_size]
   const Tensor q = mixed.narrow(1, 0, q_size).view({tokens, heads, dim});
   const Tensor k = mixed.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
   const Tensor v = mixed.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
   auto [q_rot, k_rot] = rotary.call(q, k, cos, sin);
   store.call(k_rot, v, k_cache, v_cache, slots);
   const Tensor out = decode.call(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window);
-  return project(out.reshape({tokens, q_size}), o.parts, o.types, c10::nullopt);
+  return project(matmul, out.reshape({tokens, q_size}), o.parts, o.types, c10::nullopt);
 }
 
 std::tuple<Tensor, Tensor> decode_layer(
@@ -88,17 +100,18 @@ std::tuple<Tensor, Tensor> decode_layer(
     c10::IntArrayRef gate_up_types, std::vector<Tensor> down_parts, c10::IntArrayRef down_types, int64_t heads,
     int64_t kv_heads, int64_t head_dim, const Tensor& cos, const Tensor& sin, const Tensor& k_cache,
     const Tensor& v_cache, const Tensor& slots, const Tensor& block_tables, const Tensor& seq_lens, double scale,
-    int64_t sliding_window) {
+    int64_t sliding_window, c10::string_view matmul_name) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "decode_layer: x [tokens, hidden] on CPU");
+  const Matmul& matmul = matmul_named(matmul_name);
   auto [h, sum] = rms_norm(x, input_norm, eps, residual);
   const Tensor attended =
-      attention(h, {std::move(qkv_parts), qkv_types}, qkv_bias, {std::move(o_parts), o_types}, heads, kv_heads,
+      attention(matmul, h, {std::move(qkv_parts), qkv_types}, qkv_bias, {std::move(o_parts), o_types}, heads, kv_heads,
                 head_dim, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, scale, sliding_window);
   auto [h2, sum2] = rms_norm(attended, post_norm, eps, sum);
-  const Tensor gate_up = project(h2, gate_up_parts, gate_up_types, c10::nullopt);  // [T, 2 I]
+  const Tensor gate_up = project(matmul, h2, gate_up_parts, gate_up_types, c10::nullopt);  // [T, 2 I]
   const int64_t intermediate = gate_up.size(1) / 2;
   const Tensor act = at::silu(gate_up.narrow(1, 0, intermediate)) * gate_up.narrow(1, intermediate, intermediate);
-  return {project(act, down_parts, down_types, c10::nullopt), sum2};
+  return {project(matmul, act, down_parts, down_types, c10::nullopt), sum2};
 }
 
 }  // namespace
@@ -109,6 +122,7 @@ TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
       "Tensor[] qkv_parts, int[] qkv_types, Tensor? qkv_bias, Tensor[] o_parts, int[] o_types, "
       "Tensor[] gate_up_parts, int[] gate_up_types, Tensor[] down_parts, int[] down_types, int heads, "
       "int kv_heads, int head_dim, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slots, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window) -> (Tensor, Tensor)");
+      "Tensor slots, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, str matmul) -> "
+      "(Tensor, Tensor)");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
 }

@@ -3,9 +3,9 @@ the same kernels in the same order as the layer's modules, without the interpret
 
 A layer fits when its projections are all GGUF blocks of a type with a native kernel, its norms
 plain RMSNorm and its MLP SwiGLU (Llama, Qwen2, Mistral; Gemma's layers keep their modules). A
-step fits when it is made of decode queries only and its quantized matmuls take the integer-dot
-kernel (cpu_kernels.few_rows_step): then the fused layer computes bit for bit what the modules
-would.
+step fits when it is made of decode queries only and its quantized matmuls take a native kernel
+(cpu_kernels.native_kernel: integer dots for a few rows, 8-bit or bfloat16 tiles for a full
+batch); the fused layer calls that kernel, so it computes bit for bit what the modules would.
 """
 
 from __future__ import annotations
@@ -77,26 +77,33 @@ class FusedLayer:
             return None
         return cls(layer, projections, dtype)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, matmul: str
+    ):  # fmt: skip
+        """matmul: the GGUF kernel's name, from step_matmul."""
         attn, meta = self.attn, ctx.attn
         plan, i = ctx.rope[attn.rope], attn.layer_index
         return native_ops().decode_layer(
             x, residual, *self.norms, self.eps, *self.weights, plan.cos, plan.sin,
             ctx.k_caches[i], ctx.v_caches[i], meta.slot_mapping, meta.decode_block_tables,
-            meta.decode_seq_lens, attn.scale, attn.sliding_window or 0,
+            meta.decode_seq_lens, attn.scale, attn.sliding_window or 0, matmul,
         )  # fmt: skip
 
 
-def step_fits(ctx: ForwardContext, x: torch.Tensor, backend, dtype: torch.dtype) -> bool:
-    """This step's fused layers compute what their modules would: CPU, decode queries only, the
-    integer-dot kernel for its matmuls, the native attention, rope plans and caches in x's dtype."""
+def step_matmul(ctx: ForwardContext, x: torch.Tensor, backend, dtype: torch.dtype) -> str | None:
+    """The GGUF matmul (a conveyor_cpu op's name) this step's fused layers call, the one their
+    modules would take; None where the step does not fit: CPU, decode queries only, a native
+    matmul for its row count, the native attention, rope plans and caches in x's dtype."""
     if x.dtype != dtype or backend.native is None or ctx.attn.num_prefill_seqs:
-        return False
-    if not (cpu_kernels.integer_dots() and cpu_kernels.few_rows_step(x.shape[0])):
-        return False
+        return None
+    kernel = cpu_kernels.native_kernel(native_ops(), x)
+    if kernel is None:
+        return None
     plans_fit = all(
         p.cos.dtype == p.sin.dtype == dtype and p.cos.is_contiguous() and p.sin.is_contiguous()
         for p in ctx.rope.values()
     )
     cache = ctx.k_caches[0]
-    return plans_fit and bool(ctx.rope) and cache.dtype == dtype and cache.is_contiguous()
+    if not (plans_fit and bool(ctx.rope) and cache.dtype == dtype and cache.is_contiguous()):
+        return None
+    return kernel.__name__

@@ -255,12 +255,12 @@ class CausalLM(nn.Module):
             if table.numel():
                 self.backend.prepare_rotary(ctx, positions, table, x.dtype, name)
         residual = None
-        fused = self._fused_for(ctx, x)
+        fused, matmul = self._fused_for(ctx, x)
         for layer, fused_layer in zip(self.layers, fused):
             if fused_layer is None:
                 x, residual = layer(positions, x, residual, tables, ctx)
             else:
-                x, residual = fused_layer(x, residual, ctx)
+                x, residual = fused_layer(x, residual, ctx, matmul)
         x, _ = self.norm(x, residual)
         return x
 
@@ -269,12 +269,16 @@ class CausalLM(nn.Module):
         as one native call each (runtime/models/fused_decode.py)."""
         self.fused_layers = [fused_decode.FusedLayer.of(layer) for layer in self.layers]
 
-    def _fused_for(self, ctx: ForwardContext, x: torch.Tensor) -> list:
-        """Each layer's fused form where this step may use it, else None."""
+    def _fused_for(self, ctx: ForwardContext, x: torch.Tensor) -> tuple[list, str | None]:
+        """Each layer's fused form where this step may use it, else None; and the GGUF matmul
+        the fused layers call."""
         first = next((f for f in self.fused_layers if f is not None), None)
-        if first is None or not fused_decode.step_fits(ctx, x, self.backend, first.dtype):
-            return [None] * len(self.layers)
-        return self.fused_layers
+        matmul = (
+            None if first is None else fused_decode.step_matmul(ctx, x, self.backend, first.dtype)
+        )
+        if matmul is None:
+            return [None] * len(self.layers), None
+        return self.fused_layers, matmul
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_seqs, hidden] -> logits [num_seqs, vocab] float32."""
