@@ -178,7 +178,12 @@ def register(sub) -> None:
     p.add_argument("--speculative", default="ngram", choices=["ngram", "draft"])
     p.add_argument("--draft-model", default=None)
     p.add_argument("--draft-prompt-lookup", action="store_true", help="as `conveyor serve`'s")
-    p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="as `conveyor serve`'s (default: 8 for ngram, 5 for draft)",
+    )
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--repeats", type=int, default=2, help="rounds per point (the best is kept)")
@@ -195,7 +200,8 @@ def cmd_spec_sweep(args: argparse.Namespace) -> int:
         fields["model"] = args.model
     engine = Engine(EngineConfig(**fields))
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    points = sweep(engine, concurrencies, args.tokens, args.num_speculative_tokens, args.repeats)
+    k = engine.config.num_speculative_tokens
+    points = sweep(engine, concurrencies, args.tokens, k, args.repeats)
     print(table(points))
     if args.plot:
         model = args.model or DEFAULT_MODEL

@@ -110,8 +110,13 @@ class EngineConfig(BaseModel):
         description="speculative decoding: ngram (prompt lookup) or draft (a small model, "
         "--draft-model); each request's k is chosen from its measured acceptance",
     )
-    num_speculative_tokens: int = Field(
-        5, ge=1, le=16, description="speculative decoding: the most drafts a row verifies"
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=16,
+        description="speculative decoding: the most drafts a row verifies; default 8 for ngram "
+        "(its drafts cost nothing to propose: json at one stream 1.93-1.97x with 5, 2.1-2.3x "
+        "with 8), 5 for draft (each draft is a forward pass of the draft model)",
     )
     ngram_min: int = Field(1, ge=1, description="prompt lookup: the shortest n-gram matched")
     ngram_max: int = Field(4, ge=1, description="prompt lookup: the longest n-gram matched")
@@ -170,6 +175,8 @@ class EngineConfig(BaseModel):
             raise ValueError("--ngram-min must not exceed --ngram-max")
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError("--speculative draft needs --draft-model")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = 8 if self.speculative == "ngram" else 5
         return self
 
     @classmethod

@@ -265,3 +265,15 @@ def test_the_step_cost_is_learned_from_decode_steps_only(tiny_model_dir):
     engine.generate([list(range(5, 45))], greedy(6))  # a 40-token prefill, then decodes
     assert samples and all(num_tokens == num_rows for num_rows, num_tokens, _ in samples)
     assert len(samples) <= 6  # the prefill step (40 tokens) is not among them
+
+
+@pytest.mark.parametrize(
+    ("speculative", "given", "expected"),
+    [("ngram", None, 8), ("draft", None, 5), ("off", None, 5), ("ngram", 3, 3), ("draft", 12, 12)],
+)
+def test_the_largest_k_defaults_by_proposer(speculative, given, expected):
+    """Prompt lookup's drafts cost nothing to propose: it may verify up to 8 (json at one stream
+    went from 1.93-1.97x to 2.1-2.3x); a draft model's cost a forward pass each: 5."""
+    fields = {"draft_model": "x"} if speculative == "draft" else {}
+    config = EngineConfig(speculative=speculative, num_speculative_tokens=given, **fields)
+    assert config.num_speculative_tokens == expected
