@@ -77,6 +77,13 @@ inline W16 k4_nibbles16(const uint8_t* qs, int j) {
   const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32)));
   return {j % 2 ? _mm512_srli_epi16(w, 4) : _mm512_and_si512(w, _mm512_set1_epi16(0x0F))};
 }
+// a Q5_0 block's 32 values u - 16, u = nibble + 16 * its bit of qh: nibble - 16 where the bit is
+// clear (a masked move of -16 and an add in 16-bit lanes)
+inline W16 q5_0_16(const uint8_t* b) {
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  return {_mm512_add_epi16(nibbles16(b + 6).v, _mm512_maskz_mov_epi16(~qh, _mm512_set1_epi16(-16)))};
+}
 inline W16 minus(W16 w, int16_t zero) { return {_mm512_sub_epi16(w.v, _mm512_set1_epi16(zero))}; }
 inline W16 times(W16 w, int16_t first16, int16_t last16) {
   const __m512i scales = _mm512_inserti64x4(_mm512_set1_epi16(first16), _mm256_set1_epi16(last16), 1);
@@ -143,6 +150,11 @@ inline W16 minus(W16 w, int16_t zero) {
   const __m256i z = _mm256_set1_epi16(zero);
   return {_mm256_sub_epi16(w.low, z), _mm256_sub_epi16(w.high, z)};
 }
+inline W16 q5_0_16(const uint8_t* b) {
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  return minus(widen(_mm256_or_si256(nibbles_low_then_high(b + 6), bit_bytes(qh))), 16);
+}
 inline W16 times(W16 w, int16_t first16, int16_t last16) {
   return {_mm256_mullo_epi16(w.low, _mm256_set1_epi16(first16)), _mm256_mullo_epi16(w.high, _mm256_set1_epi16(last16))};
 }
@@ -207,11 +219,7 @@ template <int64_t kType>
 inline W16 weights16(const uint8_t* b, int j, const BlockHeader& h) {
   if constexpr (kType == Q4_0) return minus(nibbles16(b + 2), 8);
   if constexpr (kType == Q4_1) return nibbles16(b + 4);
-  if constexpr (kType == Q5_0) {
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-    return minus(widen(_mm256_or_si256(nibbles_low_then_high(b + 6), bit_bytes(qh))), 16);
-  }
+  if constexpr (kType == Q5_0) return q5_0_16(b);
   if constexpr (kType == Q8_0) return signed16(b + 2);
   if constexpr (kType == Q4_K) return times(k4_nibbles16(b + 16, j), h.scales[j]);
   if constexpr (kType == Q5_K) {
