@@ -83,6 +83,17 @@ inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
   }
 }
 
+// a Q4_K/Q5_K block's 6-bit scales and mins (scale_min_k4 for the 8 at once), 4 per word
+inline void k4_scales_mins(const uint8_t* b, uint32_t scales[2], uint32_t mins[2]) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  scales[0] = u[0] & low6;
+  scales[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);
+  mins[0] = u[1] & low6;
+  mins[1] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);
+}
+
 // One sub-block on its own: s is its index in the row (for the K-quants, j its index in the
 // super-block at b). The visitors below decode a K-quant's shared fields once per super-block.
 inline SubBlock q4_0_sub(const uint8_t* b) {

@@ -189,17 +189,6 @@ struct BlockHeader {
   __m256 offsets;
 };
 
-// a Q4_K/Q5_K block's 6-bit scales and mins (scale_min_k4 for the 8 at once), 4 per word
-inline void k4_scales_mins(const uint8_t* b, uint32_t scales[2], uint32_t mins[2]) {
-  uint32_t u[3];
-  std::memcpy(u, b + 4, 12);
-  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-  scales[0] = u[0] & low6;
-  scales[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);
-  mins[0] = u[1] & low6;
-  mins[1] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);
-}
-
 template <int64_t kType>
 inline BlockHeader header_of(const uint8_t* b) {
   BlockHeader h;

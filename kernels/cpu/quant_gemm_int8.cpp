@@ -113,17 +113,57 @@ inline float lane_of(__m256 v, int half) {
   return half ? _mm_cvtss_f32(_mm256_extractf128_ps(v, 1)) : _mm256_cvtss_f32(v);
 }
 
+// 8 unsigned bytes (4 a word) -> 8 floats
+inline __m256 floats8(const uint32_t words[2]) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(words[1]), static_cast<int>(words[0]))));
+}
+
+// A K-quant's super-block at once, with vector arithmetic for its 8 (Q6_K: 16) scales: sub-block
+// by sub-block (a SubBlock each, its scale taken back out of a vector) took the Q4_K step 44% of
+// the time of its multiplies. codes: its 256 codes; scales, offsets: its sub-blocks'
+inline void unpack_q4_k(const uint8_t* b, uint8_t* codes, float* scales, float* offsets) {
+  uint32_t scale_words[2], min_words[2];
+  k4_scales_mins(b, scale_words, min_words);
+  _mm256_storeu_ps(scales, _mm256_mul_ps(floats8(scale_words), _mm256_set1_ps(half_at(b))));
+  _mm256_storeu_ps(offsets, _mm256_mul_ps(floats8(min_words), _mm256_set1_ps(-half_at(b + 2))));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int pair = 0; pair < 4; ++pair) {  // sub-blocks 2p and 2p + 1 share 32 bytes
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + pair * 32));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + pair * 64), _mm256_and_si256(packed, mask));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + pair * 64 + 32),
+                        _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask));
+  }
+}
+
+inline void unpack_q6_k(const uint8_t* b, uint8_t* codes, float* scales) {
+  const __m128i signed_scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  _mm512_storeu_ps(scales, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(signed_scales)),
+                                         _mm512_set1_ps(half_at(b + 208))));
+  for (int j = 0; j < 8; ++j)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + j * 32), q6_k_codes(b, j));
+}
+
 template <int64_t kType>
 void unpack_row(const uint8_t* wrow, int64_t in, int64_t o, Tile& tile) {
   constexpr int kSubs = 32 / kSubValues<kType>;  // scales in a 32-value sub-block
   const int64_t subs = in / kSubValues<kType>;
+  uint8_t* codes = tile.codes.data() + o * in;
+  float *scales = tile.scales.data() + o * subs, *offsets = tile.offsets.data() + o * subs;
+  if constexpr (kType == Q4_K) {
+    for (int64_t s = 0; s < in / 256; ++s)
+      unpack_q4_k(wrow + s * kQ4kBytes, codes + s * 256, scales + s * 8, offsets + s * 8);
+    return;
+  }
+  if constexpr (kType == Q6_K) {
+    for (int64_t s = 0; s < in / 256; ++s) unpack_q6_k(wrow + s * kQ6kBytes, codes + s * 256, scales + s * 16);
+    return;
+  }
   visit_row(kType, wrow, in, [&](const SubBlock& sub, int64_t s) CONVEYOR_INLINE {
-    const __m256i codes = kType == Q8_0 ? _mm256_xor_si256(sub.sign_of, _mm256_set1_epi8(-128)) : sub.codes;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile.codes.data() + o * in + s * 32), codes);
+    const __m256i values = kType == Q8_0 ? _mm256_xor_si256(sub.sign_of, _mm256_set1_epi8(-128)) : sub.codes;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + s * 32), values);
     for (int h = 0; h < kSubs; ++h) {
-      const int64_t at = o * subs + s * kSubs + h;
-      tile.scales[at] = lane_of(sub.scale, h);
-      if constexpr (kFloatOffset<kType>) tile.offsets[at] = lane_of(sub.offset, h);
+      scales[s * kSubs + h] = lane_of(sub.scale, h);
+      if constexpr (kFloatOffset<kType>) offsets[s * kSubs + h] = lane_of(sub.offset, h);
     }
   });
 }
