@@ -84,6 +84,21 @@ inline W16 q5_0_16(const uint8_t* b) {
   std::memcpy(&qh, b + 2, 4);
   return {_mm512_add_epi16(nibbles16(b + 6).v, _mm512_maskz_mov_epi16(~qh, _mm512_set1_epi16(-16)))};
 }
+// a Q6_K block's sub-block j: sc * (u - 32), one 8-bit scale per 16 values, u from 4 low bits
+// (ql) and 2 high bits (qh), each byte widened from memory and its bits taken in 16-bit lanes
+inline W16 q6_k_16(const uint8_t* b, int j) {
+  const int half = j / 4, k = j % 4;
+  const __m512i mask = _mm512_set1_epi16(0x0F), top_mask = _mm512_set1_epi16(0x30);
+  const __m512i low = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + half * 64 + (k & 1) * 32)));
+  const __m512i high = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32)));
+  const __m512i nibble = k < 2 ? _mm512_and_si512(low, mask) : _mm512_srli_epi16(low, 4);
+  const __m512i top = k == 3 ? _mm512_and_si512(_mm512_srli_epi16(high, 2), top_mask)
+                             : _mm512_and_si512(_mm512_slli_epi16(high, 4 - 2 * k), top_mask);
+  const int8_t* sc = q6_k_scales(b, j);
+  const __m512i scales = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_set1_epi8(sc[1]), _mm_set1_epi8(sc[0])));
+  const __m512i centred = _mm512_sub_epi16(_mm512_or_si512(nibble, top), _mm512_set1_epi16(32));
+  return {_mm512_mullo_epi16(centred, scales)};
+}
 inline W16 minus(W16 w, int16_t zero) { return {_mm512_sub_epi16(w.v, _mm512_set1_epi16(zero))}; }
 inline W16 times(W16 w, int16_t first16, int16_t last16) {
   const __m512i scales = _mm512_inserti64x4(_mm512_set1_epi16(first16), _mm256_set1_epi16(last16), 1);
@@ -155,6 +170,10 @@ inline W16 q5_0_16(const uint8_t* b) {
   std::memcpy(&qh, b + 2, 4);
   return minus(widen(_mm256_or_si256(nibbles_low_then_high(b + 6), bit_bytes(qh))), 16);
 }
+inline W16 q6_k_16(const uint8_t* b, int j) {
+  const int8_t* sc = q6_k_scales(b, j);
+  return times(minus(widen(q6_k_codes(b, j)), 32), sc[0], sc[1]);
+}
 inline W16 times(W16 w, int16_t first16, int16_t last16) {
   return {_mm256_mullo_epi16(w.low, _mm256_set1_epi16(first16)), _mm256_mullo_epi16(w.high, _mm256_set1_epi16(last16))};
 }
@@ -215,10 +234,7 @@ inline W16 weights16(const uint8_t* b, int j, const BlockHeader& h) {
     const __m256i high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     return times(widen(k4_k5_codes(b + 48, &high_bits, j)), h.scales[j]);
   }
-  if constexpr (kType == Q6_K) {
-    const int8_t* sc = q6_k_scales(b, j);
-    return times(minus(widen(q6_k_codes(b, j)), 32), sc[0], sc[1]);
-  }
+  if constexpr (kType == Q6_K) return q6_k_16(b, j);
 }
 
 template <int64_t kType>
