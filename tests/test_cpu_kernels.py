@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import fnmatch
+import platform
+import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,23 @@ def test_every_file_the_build_reads_ships_in_the_package():
         path.relative_to(root / "kernels").as_posix() for path in native.SOURCES + native.HEADERS
     ]
     assert [name for name in needed if not any(fnmatch.fnmatch(name, g) for g in shipped)] == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86 instruction-set branches")
+def test_the_kernels_compile_for_avx2_hosts_too():
+    """The build takes -march=native, so a host with AVX-512 compiles only the AVX-512 branches
+    of kernels/cpu: this compiles every source for AVX2 with FMA and F16C and no AVX-512
+    (x86-64-v3), the other branch, so that a change here cannot break an AVX2 host's build
+    unseen (one did: a helper used before its declaration there)."""
+    from torch.utils import cpp_extension
+
+    includes = [f"-isystem{path}" for path in cpp_extension.include_paths()]
+    includes.append(f"-isystem{sysconfig.get_paths()['include']}")
+    flags = ["-std=c++20", "-fsyntax-only", "-march=x86-64-v3", "-fopenmp", *includes]
+    compiles = [
+        subprocess.Popen(["g++", *flags, str(source)], stderr=subprocess.PIPE, text=True)
+        for source in native.SOURCES
+    ]
+    errors = {source.name: run.communicate()[1] for source, run in zip(native.SOURCES, compiles)}
+    assert {name: text for name, text in errors.items() if "error" in text} == {}

@@ -165,6 +165,10 @@ inline W16 minus(W16 w, int16_t zero) {
   const __m256i z = _mm256_set1_epi16(zero);
   return {_mm256_sub_epi16(w.low, z), _mm256_sub_epi16(w.high, z)};
 }
+inline W16 times(W16 w, int16_t first16, int16_t last16) {
+  return {_mm256_mullo_epi16(w.low, _mm256_set1_epi16(first16)), _mm256_mullo_epi16(w.high, _mm256_set1_epi16(last16))};
+}
+inline W16 times(W16 w, int16_t scale) { return times(w, scale, scale); }
 inline W16 q5_0_16(const uint8_t* b) {
   uint32_t qh;
   std::memcpy(&qh, b + 2, 4);
@@ -174,10 +178,6 @@ inline W16 q6_k_16(const uint8_t* b, int j) {
   const int8_t* sc = q6_k_scales(b, j);
   return times(minus(widen(q6_k_codes(b, j)), 32), sc[0], sc[1]);
 }
-inline W16 times(W16 w, int16_t first16, int16_t last16) {
-  return {_mm256_mullo_epi16(w.low, _mm256_set1_epi16(first16)), _mm256_mullo_epi16(w.high, _mm256_set1_epi16(last16))};
-}
-inline W16 times(W16 w, int16_t scale) { return times(w, scale, scale); }
 inline IntSum int_zero() { return _mm256_setzero_si256(); }
 inline IntSum dot_add(IntSum acc, W16 w, const int16_t* x) {
   const __m256i low = _mm256_madd_epi16(w.low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
