@@ -76,18 +76,36 @@ async def test_key_rpm_is_exact_across_replicas_under_the_tenants(three, unique_
     assert f"key {narrow['id']}'s requests-per-minute limit" in explanation
 
 
+async def open_streams(apps, key: str, model: str, count: int) -> list:
+    """`count` streamed completions at once, round-robin over the replicas, each answered as far
+    as its status and headers: an admitted one keeps generating (1,000 tokens: seconds) while the
+    others are answered, however slowly a loaded machine runs this test's event loop. Holding
+    48-token completions open instead admitted four of six once: the first two had finished."""
+    body = {"model": model, "prompt": [100, 200, 300, 400], "max_tokens": 1000,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {key}"}
+    calls = [app.post("/v1/completions", json=body, headers=headers)
+             for app, _ in zip(itertools.cycle(apps), range(count))]  # fmt: skip
+    return await asyncio.gather(*calls)
+
+
 async def test_key_concurrency_is_exact_across_replicas(three, unique_name, tiny_model_dir):
     model = tiny_model_dir.name
     tenant = await new_tenant(three[0], unique_name, max_concurrency=5)
     key = await new_key(three[0], tenant["id"], limits={"max_concurrency": 2})
-    outcomes = await spray(three, key["key"], model, 6, max_tokens=48)
-    statuses = sorted(status for status, _, _ in outcomes)
+    responses = await open_streams(three, key["key"], model, 6)
+    statuses = sorted(response.status for response in responses)
     assert statuses.count(200) == 2 and statuses.count(429) == 4, statuses
-    refusal = next(body for status, body, _ in outcomes if status == 429)
-    assert "concurrent" in refusal["error"]["message"]
-    assert f"key {key['id']}" in refusal["error"]["message"]
-    # once they are done, the slots are free again (no leak)
-    assert (await complete(three[2], key["key"], model))[0] == 200
+    refused = next(response for response in responses if response.status == 429)
+    message = (await refused.json())["error"]["message"]
+    assert "concurrent" in message and f"key {key['id']}" in message
+    for response in responses:  # the client leaves: the admitted requests are aborted
+        response.close()
+
+    async def slots_free_again() -> bool:  # no leak
+        return (await complete(three[2], key["key"], model))[0] == 200
+
+    assert await wait_for(slots_free_again, timeout_s=10.0)
 
 
 async def test_a_tenants_model_limit_applies_to_that_model(three, unique_name, tiny_model_dir):
