@@ -121,17 +121,22 @@ inline __m256 floats8(const uint32_t words[2]) {
 // A K-quant's super-block at once, with vector arithmetic for its 8 (Q6_K: 16) scales: sub-block
 // by sub-block (a SubBlock each, its scale taken back out of a vector) took the Q4_K step 44% of
 // the time of its multiplies. codes: its 256 codes; scales, offsets: its sub-blocks'
-inline void unpack_q4_k(const uint8_t* b, uint8_t* codes, float* scales, float* offsets) {
+// Q4_K (kHigh false) and Q5_K, whose fifth bits of sub-block j are bit j of 32 bytes of qh
+template <bool kHigh>
+inline void unpack_k4_k5(const uint8_t* b, uint8_t* codes, float* scales, float* offsets) {
   uint32_t scale_words[2], min_words[2];
   k4_scales_mins(b, scale_words, min_words);
   _mm256_storeu_ps(scales, _mm256_mul_ps(floats8(scale_words), _mm256_set1_ps(half_at(b))));
   _mm256_storeu_ps(offsets, _mm256_mul_ps(floats8(min_words), _mm256_set1_ps(-half_at(b + 2))));
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  for (int pair = 0; pair < 4; ++pair) {  // sub-blocks 2p and 2p + 1 share 32 bytes
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + pair * 32));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + pair * 64), _mm256_and_si256(packed, mask));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + pair * 64 + 32),
-                        _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask));
+  const uint8_t* qs = b + (kHigh ? 48 : 16);
+  const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m256i high = kHigh ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {  // sub-blocks 2p and 2p + 1 share 32 bytes of nibbles
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32));
+    __m256i values = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, mask);
+    if constexpr (kHigh)
+      values = _mm256_or_si256(values, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, j), one), 4));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + j * 32), values);
   }
 }
 
@@ -149,9 +154,9 @@ void unpack_row(const uint8_t* wrow, int64_t in, int64_t o, Tile& tile) {
   const int64_t subs = in / kSubValues<kType>;
   uint8_t* codes = tile.codes.data() + o * in;
   float *scales = tile.scales.data() + o * subs, *offsets = tile.offsets.data() + o * subs;
-  if constexpr (kType == Q4_K) {
+  if constexpr (kType == Q4_K || kType == Q5_K) {
     for (int64_t s = 0; s < in / 256; ++s)
-      unpack_q4_k(wrow + s * kQ4kBytes, codes + s * 256, scales + s * 8, offsets + s * 8);
+      unpack_k4_k5<kType == Q5_K>(wrow + s * kBlockBytes<kType>, codes + s * 256, scales + s * 8, offsets + s * 8);
     return;
   }
   if constexpr (kType == Q6_K) {
