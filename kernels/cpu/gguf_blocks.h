@@ -94,6 +94,12 @@ inline void k4_scales_mins(const uint8_t* b, uint32_t scales[2], uint32_t mins[2
   mins[1] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);
 }
 
+// 8 unsigned bytes, 4 a word (k4_scales_mins's) -> 8 floats
+inline __m256 floats8(const uint32_t words[2]) {
+  const __m128i bytes = _mm_set_epi32(0, 0, static_cast<int>(words[1]), static_cast<int>(words[0]));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+}
+
 // One sub-block on its own: s is its index in the row (for the K-quants, j its index in the
 // super-block at b). The visitors below decode a K-quant's shared fields once per super-block.
 inline SubBlock q4_0_sub(const uint8_t* b) {

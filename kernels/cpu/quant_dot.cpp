@@ -61,6 +61,9 @@ inline W16 widen_signed(__m256i s8) { return {_mm512_cvtepi8_epi16(s8)}; }
 inline __m256i bytes16(const uint8_t* p) {
   return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline __m512i bytes32(const uint8_t* p) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 // 16 bytes of packed nibbles (value i low, value i + 16 high) -> the 32 values
 inline W16 nibbles16(const uint8_t* p) {
   const __m256i w = bytes16(p);
@@ -74,7 +77,7 @@ inline W16 signed16(const uint8_t* p) {
 // a Q4_K block's sub-block j: the low (j even) or high nibbles of 32 bytes
 // (sub-blocks j and j + 1 share their 32 bytes: one widening serves both)
 inline W16 k4_nibbles16(const uint8_t* qs, int j) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (j / 2) * 32)));
+  const __m512i w = bytes32(qs + (j / 2) * 32);
   return {j % 2 ? _mm512_srli_epi16(w, 4) : _mm512_and_si512(w, _mm512_set1_epi16(0x0F))};
 }
 // a Q5_0 block's 32 values u - 16, u = nibble + 16 * its bit of qh: nibble - 16 where the bit is
@@ -89,8 +92,7 @@ inline W16 q5_0_16(const uint8_t* b) {
 inline W16 q6_k_16(const uint8_t* b, int j) {
   const int half = j / 4, k = j % 4;
   const __m512i mask = _mm512_set1_epi16(0x0F), top_mask = _mm512_set1_epi16(0x30);
-  const __m512i low = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + half * 64 + (k & 1) * 32)));
-  const __m512i high = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32)));
+  const __m512i low = bytes32(b + half * 64 + (k & 1) * 32), high = bytes32(b + 128 + half * 32);
   const __m512i nibble = k < 2 ? _mm512_and_si512(low, mask) : _mm512_srli_epi16(low, 4);
   const __m512i top = k == 3 ? _mm512_and_si512(_mm512_srli_epi16(high, 2), top_mask)
                              : _mm512_and_si512(_mm512_slli_epi16(high, 4 - 2 * k), top_mask);
@@ -216,8 +218,7 @@ inline BlockHeader header_of(const uint8_t* b) {
     uint32_t scales[2], mins[2];
     k4_scales_mins(b, scales, mins);
     std::memcpy(h.scales, scales, 8);
-    const __m128i min_bytes = _mm_set_epi32(0, 0, static_cast<int>(mins[1]), static_cast<int>(mins[0]));
-    h.offsets = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(min_bytes)), _mm256_set1_ps(-half_at(b + 2)));
+    h.offsets = _mm256_mul_ps(floats8(mins), _mm256_set1_ps(-half_at(b + 2)));
   }
   return h;
 }

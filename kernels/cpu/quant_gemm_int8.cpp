@@ -113,15 +113,10 @@ inline float lane_of(__m256 v, int half) {
   return half ? _mm_cvtss_f32(_mm256_extractf128_ps(v, 1)) : _mm256_cvtss_f32(v);
 }
 
-// 8 unsigned bytes (4 a word) -> 8 floats
-inline __m256 floats8(const uint32_t words[2]) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(words[1]), static_cast<int>(words[0]))));
-}
-
 // A K-quant's super-block at once, with vector arithmetic for its 8 (Q6_K: 16) scales: sub-block
 // by sub-block (a SubBlock each, its scale taken back out of a vector) took the Q4_K step 44% of
-// the time of its multiplies. codes: its 256 codes; scales, offsets: its sub-blocks'
-// Q4_K (kHigh false) and Q5_K, whose fifth bits of sub-block j are bit j of 32 bytes of qh
+// the time of its multiplies. codes: its 256 codes; scales, offsets: its sub-blocks'.
+// Q4_K (kHigh false) and Q5_K, whose fifth bits of sub-block j are bit j of the 32 bytes of qh:
 template <bool kHigh>
 inline void unpack_k4_k5(const uint8_t* b, uint8_t* codes, float* scales, float* offsets) {
   uint32_t scale_words[2], min_words[2];
@@ -239,8 +234,7 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
 // y[rows, out] of the tile's `count` weight rows, from o0
 template <int64_t kType, int RB, typename T>
 void store_blocks(const QuantizedRows& x, int64_t b0, const Tile& tile, const Ahead& ahead, int64_t count, int64_t in,
-                  int64_t rows,
-                  T* y, int64_t out, int64_t o0) {
+                  int64_t rows, T* y, int64_t out, int64_t o0) {
   T results[RB][kColumns][kLanes];
   block_product<kType, RB>(x, b0, tile, in, ahead, results);
   for (int rb = 0; rb < RB; ++rb) {
