@@ -242,12 +242,13 @@ struct Ahead {
   const uint8_t* bytes = nullptr;
   int64_t size = 0;
 
-  // share `part` of `parts`, into L1 (T0) or L2 (T1)
-  template <int kHint = _MM_HINT_T0>
-  void fetch_share(int64_t part, int64_t parts) const {
+  // share `part` of `parts`, into L1 or else L2
+  void fetch_share(int64_t part, int64_t parts, bool into_l1 = true) const {
     const int64_t share = (size / parts + 64) & ~int64_t{63};
-    for (int64_t at = part * share; at < std::min(size, (part + 1) * share); at += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + at), static_cast<_mm_hint>(kHint));
+    for (int64_t at = part * share; at < std::min(size, (part + 1) * share); at += 64) {
+      const char* line = reinterpret_cast<const char*>(bytes + at);
+      into_l1 ? _mm_prefetch(line, _MM_HINT_T0) : _mm_prefetch(line, _MM_HINT_T1);
+    }
   }
 };
 

@@ -289,9 +289,8 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
     for (int r = 0; r < R; ++r) acc[i][r] = float_zero();
   // kOut rows read side by side are kOut streams, which the hardware prefetcher served at half
   // the speed of one: the next group's rows (contiguous) are fetched at the pace this one is read
-  const char* next_group = reinterpret_cast<const char*>(w + (o0 + kOut) * row_bytes);
-  const int64_t ahead_per_sub = kOut * row_bytes / subs;
-  const bool fits_l1 = kOut * row_bytes <= 16384;
+  const Ahead next_group{w + (o0 + kOut) * row_bytes, kOut * row_bytes};
+  const bool fits_l1 = next_group.size <= 16384;
   for (int64_t g = 0; g < groups; ++g) {
     for (int i = 0; i < kOut; ++i)
       for (int r = 0; r < R; ++r) group_sums[i][r] = float_zero();
@@ -302,8 +301,7 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
         for (int i = 0; i < kOut; ++i) q4_1_m[i * xq.sums_stride + b] = half_at(rows[i] + b * kBlockBytes<kType> + 2);
       for (int c = 0; c < kSubs; c += kChunk) {
         const int64_t s = b * kSubs + c;  // the chunk's first sub-block in the row
-        for (int64_t at = s * ahead_per_sub; at < (s + kChunk) * ahead_per_sub; at += 64)
-          fits_l1 ? _mm_prefetch(next_group + at, _MM_HINT_T0) : _mm_prefetch(next_group + at, _MM_HINT_T1);
+        next_group.fetch_share(s / kChunk, subs / kChunk, fits_l1);
 #pragma GCC unroll 8
         for (int i = 0; i < kOut; ++i) {
           W16 wv[kChunk];
