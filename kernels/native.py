@@ -35,7 +35,8 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(
-    Path(__file__).parent / "cpu" / name for name in ("gguf_blocks.h", "quantized_rows.h")
+    Path(__file__).parent / "cpu" / name
+    for name in ("gguf_blocks.h", "int16_weights.h", "quantized_rows.h")
 )
 LIBRARY = "conveyor_cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
