@@ -4,7 +4,9 @@
 once on first use. The build lives in ~/.cache/conveyor/kernels/<key>, the key covering the
 sources, torch's version and the CPU's instruction set (they are compiled for this CPU).
 CONVEYOR_NATIVE_KERNELS=0 turns them off: the torch references in kernels/reference.py, which are
-also their test oracle, run instead.
+also their test oracle, run instead. CONVEYOR_NATIVE_MARCH (default native) compiles them for another
+instruction set the CPU runs, such as x86-64-v3 (AVX2 and FMA, no AVX-512): how a host with AVX-512
+tests and measures the AVX2 branches.
 """
 
 from __future__ import annotations
@@ -36,10 +38,14 @@ SOURCES = tuple(
 )
 HEADERS = tuple(
     Path(__file__).parent / "cpu" / name
-    for name in ("gguf_blocks.h", "int16_weights.h", "quantized_rows.h")
+    for name in ("gguf_blocks.h", "int16_weights.h", "int8_lanes.h", "quantized_rows.h")
 )
 LIBRARY = "conveyor_cpu"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
+
+
+def cflags() -> tuple[str, ...]:
+    march = os.environ.get("CONVEYOR_NATIVE_MARCH", "native")
+    return ("-O3", f"-march={march}", "-fopenmp", "-ffp-contract=fast")
 
 
 def enabled() -> bool:
@@ -79,7 +85,7 @@ def build(verbose: bool = False) -> Path:
     cpp_extension.load(
         name=LIBRARY,
         sources=[str(s) for s in SOURCES],
-        extra_cflags=list(CFLAGS),
+        extra_cflags=list(cflags()),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
@@ -97,7 +103,7 @@ def _build_key() -> str:
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    digest.update(" ".join(CFLAGS).encode())
+    digest.update(" ".join(cflags()).encode())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())
     digest.update(" ".join(sorted(cpu_flags())).encode())

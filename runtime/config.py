@@ -45,10 +45,11 @@ class EngineConfig(BaseModel):
     )
     quantized_activations: Literal["auto", "int8", "dtype"] = Field(
         "auto",
-        description="CPU matmuls of GGUF weights over many rows (prompts, 16+ sequences) in "
-        "bfloat16: int8: activations rounded to 8 bits per 32 values as llama.cpp rounds them "
-        "(AVX-512 VNNI, 1.3-1.5x faster); dtype: kept in --dtype (closer to float32); auto: "
-        "int8 except for families whose perplexity it moves by more than half a percent (Gemma 3)",
+        description="CPU matmuls of GGUF weights over many rows (prompts, 7+ sequences): int8: "
+        "activations rounded to 8 bits per 32 values as llama.cpp rounds them (AVX-512 VNNI: "
+        "1.3-1.5x faster than bfloat16 tiles; AVX2: 2-2.6x faster than float32); dtype: kept in "
+        "--dtype (closer to float32); auto: int8 except for families whose perplexity it moves by "
+        "more than half a percent (Gemma 3) and for a --dtype float32 asked for by name",
     )
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto | cpu | cuda | cuda:N"

@@ -140,7 +140,7 @@ def test_bf16_tiles_are_the_oracle_on_bfloat16_weights(qtype, rows):
 
 
 needs_int8_tiles = pytest.mark.skipif(
-    not cpu_kernels.int8_tiles(), reason="quant_gemm_int8 needs AVX-512 VNNI and no AMX"
+    not cpu_kernels.int8_tiles(), reason="quant_gemm_int8 needs AVX2 and no AMX"
 )
 
 
@@ -223,8 +223,11 @@ def test_linear_matches_dequantized_matmul(qtype, rows, dtype, tol):
     )
     got = linear(x)
     assert got.dtype == dtype and got.shape == (rows, out_features)
-    if rows <= cpu_kernels.integer_dot_rows() and cpu_kernels.integer_dots():
+    kernel = cpu_kernels.native_kernel(native.native_ops(), x)
+    if kernel is not None and kernel.__name__ == "quant_dot":
         tol = max(tol, 2e-4)  # x in int16 per group: ~1e-5 of the largest output
+    if kernel is not None and kernel.__name__ == "quant_gemm_int8":
+        tol = max(tol, 2e-2)  # x in 8 bits per group
     scale = expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=tol * scale, rtol=tol)
 
@@ -233,12 +236,11 @@ def test_prefill_tiles_cover_every_output_row(monkeypatch):
     monkeypatch.setattr(quant, "TILE_VALUES", 5 * 64)  # 5 output rows a tile, 41 rows: 9 tiles
     rng = np.random.default_rng(5)
     blocks = quantized(Q.Q8_0, 41, 64, rng)
-    rows = cpu_kernels.integer_dot_rows() + 1  # the fewest rows that take the tiles
-    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(5))
-    expected = x @ oracle(blocks, Q.Q8_0, 41, 64).T
-    torch.testing.assert_close(
-        QuantizedLinear(blocks, Q.Q8_0, 41, 64)(x), expected, atol=1e-4, rtol=1e-4
-    )
+    with cpu_kernels.step_kind(has_prompt_rows=True, int8_activations=False):
+        x = torch.randn(9, 64, generator=torch.Generator().manual_seed(5))
+        expected = x @ oracle(blocks, Q.Q8_0, 41, 64).T
+        got = QuantizedLinear(blocks, Q.Q8_0, 41, 64)(x)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_fallback_without_native_kernels_is_the_oracle(monkeypatch):

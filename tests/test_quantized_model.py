@@ -113,17 +113,19 @@ def test_gemma3_keeps_its_perplexity_with_the_default_activations():
 
 
 @pytest.mark.parametrize(
-    ("setting", "model_class", "expected"),
+    ("setting", "model_class", "dtype", "expected"),
     [
-        ("auto", Qwen2ForCausalLM, True),
-        ("auto", LlamaForCausalLM, True),
-        ("auto", Gemma3ForCausalLM, False),
-        ("int8", Gemma3ForCausalLM, True),
-        ("dtype", Qwen2ForCausalLM, False),
+        ("auto", Qwen2ForCausalLM, "auto", True),
+        ("auto", LlamaForCausalLM, "bfloat16", True),
+        ("auto", Gemma3ForCausalLM, "auto", False),
+        ("int8", Gemma3ForCausalLM, "auto", True),
+        ("dtype", Qwen2ForCausalLM, "auto", False),
+        ("auto", Qwen2ForCausalLM, "float32", False),  # asked for by name: the oracle setting
+        ("int8", Qwen2ForCausalLM, "float32", True),
     ],
 )
-def test_quantized_activations_setting_resolves_per_family(setting, model_class, expected):
-    assert cpu_kernels.int8_activations(setting, model_class) is expected
+def test_quantized_activations_setting_resolves_per_family(setting, model_class, dtype, expected):
+    assert cpu_kernels.int8_activations(setting, model_class, dtype) is expected
 
 
 def test_a_prompt_rounds_the_same_after_a_prefix_cache_hit():

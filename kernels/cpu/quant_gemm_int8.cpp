@@ -1,4 +1,4 @@
-// GGUF-quantized weights times many rows of activations in 8-bit integers (AVX-512 VNNI).
+// GGUF-quantized weights times many rows of activations in 8-bit integers (AVX-512 VNNI, AVX2).
 //
 // quant_gemm_int8(x, weight, type, out, in) -> [rows, out] in x's dtype (float32 or bfloat16):
 //   y = x8 @ dequantize(weight)^T, x8 = x rounded to 8 bits per 32 values of a row (llama.cpp's
@@ -7,10 +7,12 @@
 //   Integer sums per sub-block are exact; the scales apply in float32.
 // Why: vpdpbusd does 64 products a cycle where vdpbf16ps does 32 (one zmm each a cycle on the
 // AMD EPYC of docs/benchmarks.md): quant_gemm.cpp's bfloat16 tiles ran at 80-95% of their peak.
-// x is quantized once a call, 16 rows to a vector (a row a lane), so that 4 codes of a weight
-// row are one broadcast and no weights are transposed. Each thread takes a run of weight rows,
-// 6 at a time: unpacked to their unsigned codes (in L1), then multiplied by every row of x, 2
-// row blocks a step: 12 chains of vpdpbusd, enough to hide its latency (4 rows: half the rate).
+// On AVX2, vpmaddubsw does 32 where an FMA does 8, and weights need no widening to 16 bits.
+// x is quantized once a call, a row a lane of a vector (int8_lanes.h: 16 rows with AVX-512, 8
+// with AVX2), so that 4 codes of a weight row are one broadcast and no weights are transposed.
+// Each thread takes a run of weight rows, kColumns at a time: unpacked to their codes (in L1),
+// then multiplied by every row of x, kRowBlocks row blocks a step (AVX-512: 6 weight rows and 2
+// row blocks, 12 chains of vpdpbusd, enough to hide its latency; 4 rows: half the rate).
 // Oracle: tests/test_quant_kernels.py (x rounded as here, gguf-py's dequantize, float64).
 
 #include <ATen/Parallel.h>
@@ -21,33 +23,30 @@
 #include <type_traits>
 #include <vector>
 
-#include "gguf_blocks.h"
+#include "int8_lanes.h"
 
 namespace {
 
-#if defined(CONVEYOR_GGUF_BLOCKS) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
-    defined(__AVX512VL__)
-using namespace conveyor_gguf;
+#ifdef CONVEYOR_INT8_LANES
+using namespace conveyor_int8;
 
-constexpr int kLanes = 16;                 // rows of x in a vector, one a lane
-constexpr int kGroup = 32;                 // values of x sharing a step: a multiple of every
-                                           // type's sub-block
-constexpr int kColumns = 6;                // weight rows a step: with 2 row blocks 12 chains of
-                                           // vpdpbusd hide its latency (4 ran at half the rate)
+constexpr int kGroup = 32;  // values of x sharing a step: a multiple of every type's sub-block
 
-// values sharing a weight scale (Q6_K: 16); w = scale * (u - kZeroPoint) + offset, u the
-// unsigned code (Q8_0: q + 128); only Q4_1 and the Q4_K/Q5_K mins have a float offset
+// w = scale * (u - kZeroPoint) + offset, u the unsigned code (Q8_0: q + 128, or q itself where
+// its codes stay signed); only Q4_1 and the Q4_K/Q5_K mins have a float offset
 template <int64_t kType>
-constexpr int kSubValues = kType == Q6_K ? 16 : 32;
-template <int64_t kType>
-constexpr int kZeroPoint = kType == Q4_0 ? 8 : kType == Q5_0 ? 16 : kType == Q6_K ? 32 : kType == Q8_0 ? 128 : 0;
+constexpr int kZeroPoint = kType == Q4_0   ? 8
+                           : kType == Q5_0 ? 16
+                           : kType == Q6_K ? 32
+                           : kType == Q8_0 ? (kSignedQ8 ? 0 : 128)
+                                           : 0;
 template <int64_t kType>
 constexpr bool kFloatOffset = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
 
 // x [rows, in] as signed 8-bit codes q = round(x / step), step = max|x| / 127 per group of a row.
-// codes: [rows / 16 (rounded up)][in / 4][16 rows][4 values], padding rows 0;
-// steps: [row blocks][in / group][16];
-// starts: [row blocks][in / sub][16] int32, -zero_point * sum(q) over each sub-block: where a
+// codes: [rows / kLanes (rounded up)][in / 4][kLanes rows][4 values], padding rows 0;
+// steps: [row blocks][in / group][kLanes];
+// starts: [row blocks][in / sub][kLanes] int32, -zero_point * sum(q) over each sub-block: where a
 // sub-block's integer sum starts; sums: the same, step * sum(q), the sum of the values x8 holds
 // (for the float offsets)
 struct QuantizedRows {
@@ -57,33 +56,23 @@ struct QuantizedRows {
   int64_t blocks = 0, group = 0;
 };
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // bfloat16 -> float32
-  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
-
 template <typename T>
 void quantize_row(const T* x, int64_t r, int64_t in, int sub_values, int zero_point, QuantizedRows& q) {
   const int64_t block = r / kLanes, lane = r % kLanes, groups = in / q.group, subs = in / sub_values;
   int8_t* codes = q.codes.data() + block * in * kLanes + lane * 4;
   for (int64_t g = 0; g < groups; ++g) {
     const T* values = x + g * q.group;
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < q.group; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(values + k)));
-    const float top = _mm512_reduce_max_ps(amax);
+    const float top = largest_magnitude(values, q.group);
     const float step = top / 127.f;
     q.steps[(block * groups + g) * kLanes + lane] = step;
-    const __m512 inverse = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-    for (int64_t k = 0; k < q.group; k += 16) {
-      const __m512i ints = _mm512_cvtps_epi32(_mm512_mul_ps(load16(values + k), inverse));  // nearest even
+    const float inverse = top > 0.f ? 127.f / top : 0.f;
+    for (int64_t k = 0; k < q.group; k += kLanes) {
+      int8_t part[kLanes];
+      const int32_t sum = codes_of(values + k, inverse, part);
       const int64_t at = g * q.group + k, sub = (block * subs + at / sub_values) * kLanes + lane;
-      const int32_t sum = _mm512_reduce_add_epi32(ints);
       q.sums[sub] += step * static_cast<float>(sum);
       q.starts[sub] -= zero_point * sum;
-      alignas(16) uint32_t four[4];
-      _mm_store_si128(reinterpret_cast<__m128i*>(four), _mm512_cvtepi32_epi8(ints));
-      for (int i = 0; i < 4; ++i) std::memcpy(codes + (at + 4 * i) * kLanes, four + i, 4);
+      for (int i = 0; i < kLanes / 4; ++i) std::memcpy(codes + (at + 4 * i) * kLanes, part + 4 * i, 4);
     }
   }
 }
@@ -137,8 +126,10 @@ inline void unpack_k4_k5(const uint8_t* b, uint8_t* codes, float* scales, float*
 
 inline void unpack_q6_k(const uint8_t* b, uint8_t* codes, float* scales) {
   const __m128i signed_scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-  _mm512_storeu_ps(scales, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(signed_scales)),
-                                         _mm512_set1_ps(half_at(b + 208))));
+  const __m256 d = _mm256_set1_ps(half_at(b + 208));
+  _mm256_storeu_ps(scales, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(signed_scales)), d));
+  _mm256_storeu_ps(scales + 8,
+                   _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(signed_scales, 8))), d));
   for (int j = 0; j < 8; ++j)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + j * 32), q6_k_codes(b, j));
 }
@@ -159,7 +150,9 @@ void unpack_row(const uint8_t* wrow, int64_t in, int64_t o, Tile& tile) {
     return;
   }
   visit_row(kType, wrow, in, [&](const SubBlock& sub, int64_t s) CONVEYOR_INLINE {
-    const __m256i values = kType == Q8_0 ? _mm256_xor_si256(sub.sign_of, _mm256_set1_epi8(-128)) : sub.codes;
+    __m256i values = sub.codes;
+    if constexpr (kType == Q8_0)
+      values = kSignedQ8 ? sub.sign_of : _mm256_xor_si256(sub.sign_of, _mm256_set1_epi8(-128));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + s * 32), values);
     for (int h = 0; h < kSubs; ++h) {
       scales[s * kSubs + h] = lane_of(sub.scale, h);
@@ -168,67 +161,59 @@ void unpack_row(const uint8_t* wrow, int64_t in, int64_t o, Tile& tile) {
   });
 }
 
-// 16 values as T: float32, or bfloat16 rounded to nearest even
-template <typename T>
-inline void store16(__m512 v, T* dst) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(dst, v);
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), to_bf16(v));
-  }
-}
-
-// out[rb][j][lane] = row (b0 + rb) * 16 + lane of x . the tile's weight row j, for RB row blocks.
-// Registers: 12 integer chains and 12 float sums (RB 2); the group of x's steps and the sub-block
-// are compile-time (a division by a run-time group was two idivs a sub-block), and each sub-block
-// adds straight into the float sums (a second set of 12 partial sums spilled to the stack)
+// out[rb][j][lane] = row (b0 + rb) * kLanes + lane of x . the tile's weight row j, for RB row
+// blocks. Registers (AVX-512): 12 integer chains and 12 float sums (RB 2); the group of x's steps
+// and the sub-block are compile-time (a division by a run-time group was two idivs a sub-block),
+// and each sub-block adds straight into the float sums (a second set of 12 partial sums spilled)
 template <int64_t kType, int RB, typename T>
 void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t in, const Ahead& ahead,
                    T out[RB][kColumns][kLanes]) {
-  constexpr int kSub = kSubValues<kType>, kSubsPerGroup = kGroup / kSub;
+  constexpr int kSub = kSubValues<kType>, kSubsPerGroup = kGroup / kSub, kChunk = 4 * kChunkSteps<kType>;
   const int64_t subs = in / kSub, groups = in / kGroup;
-  __m512 y[RB][kColumns];
+  Floats y[RB][kColumns];
   for (int rb = 0; rb < RB; ++rb)
-    for (int j = 0; j < kColumns; ++j) y[rb][j] = _mm512_setzero_ps();
+    for (int j = 0; j < kColumns; ++j) y[rb][j] = zero_floats();
   const uint8_t* w = tile.codes.data();
   for (int64_t s = 0; s < subs; ++s) {
     ahead.fetch_share(s, subs);
-    __m512i acc[RB][kColumns];
+    Ints sums[RB][kColumns];
     for (int rb = 0; rb < RB; ++rb) {
-      const __m512i start = _mm512_loadu_si512(x.starts.data() + ((b0 + rb) * subs + s) * kLanes);
-      for (int j = 0; j < kColumns; ++j) acc[rb][j] = start;
+      const Ints start = load_ints(x.starts.data() + ((b0 + rb) * subs + s) * kLanes);
+      for (int j = 0; j < kColumns; ++j) sums[rb][j] = start;
     }
     const int8_t* xs = x.codes.data() + (b0 * in + s * kSub) * kLanes;
     const uint8_t* ws = w + s * kSub;
+    for (int c = 0; c < kSub; c += kChunk) {
+      Ints chunk[RB][kColumns];
+      for (int rb = 0; rb < RB; ++rb)
+        for (int j = 0; j < kColumns; ++j) chunk[rb][j] = chunk_start(sums[rb][j]);
 #pragma GCC unroll 8
-    for (int k = 0; k < kSub; k += 4) {
-      __m512i xv[RB];
-      for (int rb = 0; rb < RB; ++rb) xv[rb] = _mm512_loadu_si512(xs + (rb * in + k) * kLanes);
-      for (int j = 0; j < kColumns; ++j) {
-        int32_t four;
-        std::memcpy(&four, ws + j * in + k, 4);
-        const __m512i wv = _mm512_set1_epi32(four);
-        for (int rb = 0; rb < RB; ++rb) acc[rb][j] = _mm512_dpbusd_epi32(acc[rb][j], wv, xv[rb]);
+      for (int k = c; k < c + kChunk; k += 4) {
+        Ints xv[RB];
+        for (int rb = 0; rb < RB; ++rb) xv[rb] = load_ints(xs + (rb * in + k) * kLanes);
+        for (int j = 0; j < kColumns; ++j) {
+          const Ints wv = broadcast4(ws + j * in + k);
+          for (int rb = 0; rb < RB; ++rb) chunk[rb][j] = dot_step<kType>(chunk[rb][j], wv, xv[rb]);
+        }
       }
+      for (int rb = 0; rb < RB; ++rb)
+        for (int j = 0; j < kColumns; ++j) sums[rb][j] = chunk_end(sums[rb][j], chunk[rb][j]);
     }
     const int64_t g = s / kSubsPerGroup;
     for (int rb = 0; rb < RB; ++rb) {
-      const __m512 step = load16(x.steps.data() + ((b0 + rb) * groups + g) * kLanes);
-      for (int j = 0; j < kColumns; ++j) {
-        const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[rb][j]), step);
-        y[rb][j] = _mm512_fmadd_ps(sum, _mm512_set1_ps(tile.scales[j * subs + s]), y[rb][j]);
-      }
+      const Floats step = load_floats(x.steps.data() + ((b0 + rb) * groups + g) * kLanes);
+      for (int j = 0; j < kColumns; ++j)
+        y[rb][j] = fmadd(mul(floats_of(sums[rb][j]), step), splat(tile.scales[j * subs + s]), y[rb][j]);
     }
     if constexpr (kFloatOffset<kType>) {
       for (int rb = 0; rb < RB; ++rb) {
-        const __m512 sums = load16(x.sums.data() + ((b0 + rb) * subs + s) * kLanes);
-        for (int j = 0; j < kColumns; ++j)
-          y[rb][j] = _mm512_fmadd_ps(sums, _mm512_set1_ps(tile.offsets[j * subs + s]), y[rb][j]);
+        const Floats offsets = load_floats(x.sums.data() + ((b0 + rb) * subs + s) * kLanes);
+        for (int j = 0; j < kColumns; ++j) y[rb][j] = fmadd(offsets, splat(tile.offsets[j * subs + s]), y[rb][j]);
       }
     }
   }
   for (int rb = 0; rb < RB; ++rb)
-    for (int j = 0; j < kColumns; ++j) store16(y[rb][j], out[rb][j]);
+    for (int j = 0; j < kColumns; ++j) store_lanes(y[rb][j], out[rb][j]);
 }
 
 // y[rows, out] of the tile's `count` weight rows, from o0
@@ -279,9 +264,11 @@ void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, 
       const int64_t next = std::min(out, o0 + kColumns);
       const Ahead ahead{w + next * row_bytes, (std::min(out, next + kColumns) - next) * row_bytes};
       int64_t b = 0;
-      for (; b + 2 <= x.blocks; b += 2)
-        store_blocks<kType, 2>(x, b, tile, b == 0 ? ahead : Ahead{}, count, in, rows, yp, out, o0);
-      if (b < x.blocks) store_blocks<kType, 1>(x, b, tile, b == 0 ? ahead : Ahead{}, count, in, rows, yp, out, o0);
+      if constexpr (kRowBlocks == 2)
+        for (; b + 2 <= x.blocks; b += 2)
+          store_blocks<kType, 2>(x, b, tile, b == 0 ? ahead : Ahead{}, count, in, rows, yp, out, o0);
+      for (; b < x.blocks; ++b)
+        store_blocks<kType, 1>(x, b, tile, b == 0 ? ahead : Ahead{}, count, in, rows, yp, out, o0);
     }
   });
 }
@@ -321,11 +308,11 @@ at::Tensor quant_gemm_int8(const at::Tensor& x, const at::Tensor& weight, int64_
 
 bool quant_gemm_int8_available() { return true; }
 #define CONVEYOR_QUANT_GEMM_INT8 1
-#endif  // AVX-512 VNNI
+#endif  // CONVEYOR_INT8_LANES
 
 #ifndef CONVEYOR_QUANT_GEMM_INT8
 at::Tensor quant_gemm_int8(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t) {
-  TORCH_CHECK(false, "quant_gemm_int8: built without AVX-512 VNNI");
+  TORCH_CHECK(false, "quant_gemm_int8: built without AVX2");
 }
 bool quant_gemm_int8_available() { return false; }
 #endif

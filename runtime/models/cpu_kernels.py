@@ -1,8 +1,8 @@
 """Which native CPU kernel multiplies a step's rows by GGUF weights (runtime/models/quant.py's
 QuantizedWeight asks): few rows kernels/cpu/quant_dot.cpp (integer dots, int16 activations) or
-quant_matmul.cpp (float); many bfloat16 rows quant_gemm_int8.cpp (8-bit activations, AVX-512
-VNNI) or quant_gemm.cpp (bfloat16 tiles, AVX-512 BF16); else none (tiles dequantized for torch's
-matmul). The running step's kind (step_kind) decides with the row count, so that a row rounds
+quant_matmul.cpp (float); many rows quant_gemm_int8.cpp (8-bit activations, AVX-512 VNNI or
+AVX2) or, for bfloat16 rows, quant_gemm.cpp (bfloat16 tiles, AVX-512 BF16); else none (tiles
+dequantized for torch's matmul). The running step's kind (step_kind) decides with the row count, so that a row rounds
 the same way wherever the scheduler puts it."""
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from kernels.native import cpu_flags, native_ops
 
 DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel (one pass: kMaxRows with
 # AVX-512); more dequantize tiles (quant_gemm for bfloat16: at 4-6 rows it took 1.5-1.8x longer)
-SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2): dequantizing a tile is
-# scalar there, and quant_dot, a pass per 4 rows, stays faster up to about 48 rows
-INT8_GEMM_ROWS = DECODE_ROWS + 1  # from this many rows bfloat16 rows take quant_gemm_int8: with
-# the next tile's blocks fetched as it multiplies, it took 25-27 ms for Qwen 0.5B's matmuls at
-# 8-12 rows where the bfloat16 tiles took 40-45 (docs/benchmarks.md, 2026-11-27)
+SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2) and 8-bit activations:
+# dequantizing a tile is scalar there, and quant_dot, a pass per 4 rows, stays faster up to
+# about 48 rows
+INT8_GEMM_ROWS = DECODE_ROWS + 1  # from this many rows take quant_gemm_int8: with the next
+# tile's blocks fetched as it multiplies, it took 25-27 ms for Qwen 0.5B's matmuls at 8-12 rows
+# where the bfloat16 tiles took 40-45; on AVX2, 20-35 ms where quant_dot took 41-60
+# (docs/benchmarks.md, 2026-11-27)
 
 
 @functools.cache
@@ -44,17 +46,20 @@ def bf16_tiles() -> bool:
 
 @functools.cache
 def int8_tiles() -> bool:
-    """Many bfloat16 rows multiply in kernels/cpu/quant_gemm_int8.cpp (AVX-512 VNNI): x rounded
+    """Many rows multiply in kernels/cpu/quant_gemm_int8.cpp (AVX-512 VNNI, or AVX2): x rounded
     to 8 bits per group as llama.cpp's Q8 activations, twice the products a cycle of
-    vdpbf16ps. Not where the CPU has AMX (torch's matmul is faster there)."""
+    vdpbf16ps, four times an AVX2 FMA's. Not where the CPU has AMX (torch's matmul is faster
+    there)."""
     ops = native_ops()
     return ops is not None and ops.quant_gemm_int8_available() and "amx_bf16" not in cpu_flags()
 
 
-def int8_activations(setting: str, model_class: type) -> bool:
-    """--quantized-activations: int8, dtype, or auto (the model family's default)."""
+def int8_activations(setting: str, model_class: type, dtype_setting: str = "auto") -> bool:
+    """--quantized-activations: int8, dtype, or auto: the model family's default, except where
+    --dtype float32 was asked for by name (the oracle setting: rows stay in float32; the float32
+    that --dtype auto picks on a CPU without bfloat16 takes 8-bit rows as bfloat16 does)."""
     if setting == "auto":
-        return model_class.int8_activations_by_default
+        return model_class.int8_activations_by_default and dtype_setting != "float32"
     return setting == "int8"
 
 
@@ -88,7 +93,9 @@ def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0, int8_activations: bo
 
 def integer_dot_rows() -> int:
     """At most this many rows run the few-rows kernel (quant_dot or quant_matmul)."""
-    return DECODE_ROWS if vector_dequantize() else SCALAR_DEQUANTIZE_DECODE_ROWS
+    if vector_dequantize() or (int8_tiles() and _STEP.int8_activations):
+        return DECODE_ROWS
+    return SCALAR_DEQUANTIZE_DECODE_ROWS
 
 
 def _counted_rows(rows: int) -> int:
@@ -102,7 +109,7 @@ def few_rows_step(rows: int) -> bool:
 
 
 def int8_rows_step(rows: int) -> bool:
-    """The running step's quantized matmuls of `rows` bfloat16 rows take quant_gemm_int8: every
+    """The running step's quantized matmuls of `rows` rows take quant_gemm_int8: every
     prompt step (a prompt's rows round the same in any chunk), and decode steps of at least
     INT8_GEMM_ROWS sequences; never with --quantized-activations dtype."""
     full_batch = _counted_rows(rows) >= INT8_GEMM_ROWS
@@ -116,11 +123,11 @@ def native_kernel(ops, rows: torch.Tensor):
         return None
     if few_rows_step(rows.shape[0]):
         return ops.quant_dot if integer_dots() else ops.quant_matmul
-    if rows.dtype != torch.bfloat16:
+    if rows.dtype not in (torch.float32, torch.bfloat16):
         return None
     if int8_tiles() and int8_rows_step(rows.shape[0]):
         return ops.quant_gemm_int8
-    return ops.quant_gemm if bf16_tiles() else None
+    return ops.quant_gemm if bf16_tiles() and rows.dtype == torch.bfloat16 else None
 
 
 @functools.cache

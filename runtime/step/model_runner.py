@@ -75,7 +75,9 @@ class ModelRunner:
             self.backend,
             config.quantization,
         )
-        self.int8_activations = int8_activations(config.quantized_activations, type(self.model))
+        self.int8_activations = int8_activations(
+            config.quantized_activations, type(self.model), config.dtype
+        )
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.kv_cache = self._allocate_kv_cache(config)
         self.sampler = Sampler(self.model_config.vocab_size)

@@ -1,0 +1,152 @@
+// quant_gemm_int8.cpp's vectors, per instruction set. A vector holds a 32-bit lane per row of x
+// (kLanes rows), 4 of the row's 8-bit codes a lane; 4 codes of a weight row are one broadcast.
+// - AVX-512 VNNI: 16 rows; vpdpbusd adds 4 products a lane into 32 bits.
+// - AVX2: 8 rows; vpmaddubsw adds 2 products into 16 bits and saturates past 32767, so a chunk
+//   of kChunkSteps steps adds there only as far as the weights' largest code allows
+//   (2 * 127 * code a step), then vpmaddwd widens it into the 32-bit sums. Q8_0's codes stay
+//   signed here, since 2 * 127 * 255 overflows: |w| times x with w's sign (llama.cpp's way).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "gguf_blocks.h"
+
+#ifdef CONVEYOR_GGUF_BLOCKS
+#define CONVEYOR_INT8_LANES 1
+namespace conveyor_int8 {
+using namespace conveyor_gguf;
+
+// values sharing a weight scale (Q6_K: 16)
+template <int64_t kType>
+constexpr int kSubValues = kType == Q6_K ? 16 : 32;
+
+inline int32_t four_at(const uint8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return four;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+
+constexpr int kLanes = 16;      // rows of x in a vector
+constexpr int kColumns = 6;     // weight rows a step: with 2 row blocks 12 chains of vpdpbusd hide
+constexpr int kRowBlocks = 2;   // its latency (4 weight rows ran at half the rate)
+constexpr bool kSignedQ8 = false;
+using Ints = __m512i;
+using Floats = __m512;
+
+template <int64_t kType>
+constexpr int kChunkSteps = kSubValues<kType> / 4;  // a whole sub-block in 32 bits
+
+inline Ints load_ints(const void* p) { return _mm512_loadu_si512(p); }
+inline Ints broadcast4(const uint8_t* p) { return _mm512_set1_epi32(four_at(p)); }
+// a chunk's products add straight onto the sub-block's sums
+inline Ints chunk_start(Ints sums) { return sums; }
+inline Ints chunk_end(Ints, Ints chunk) { return chunk; }
+template <int64_t kType>
+inline Ints dot_step(Ints chunk, Ints w, Ints x) { return _mm512_dpbusd_epi32(chunk, w, x); }
+
+inline Floats load_floats(const float* p) { return _mm512_loadu_ps(p); }
+inline Floats load_floats(const uint16_t* p) {  // bfloat16 -> float32
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+inline Floats splat(float v) { return _mm512_set1_ps(v); }
+inline Floats zero_floats() { return _mm512_setzero_ps(); }
+inline Floats floats_of(Ints v) { return _mm512_cvtepi32_ps(v); }
+inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
+inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store_lanes(Floats v, float* dst) { _mm512_storeu_ps(dst, v); }
+inline void store_lanes(Floats v, uint16_t* dst) {  // bfloat16, nearest even
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), to_bf16(v));
+}
+
+template <typename T>
+float largest_magnitude(const T* values, int64_t count) {
+  Floats top = zero_floats();
+  for (int64_t k = 0; k < count; k += kLanes) top = _mm512_max_ps(top, _mm512_abs_ps(load_floats(values + k)));
+  return _mm512_reduce_max_ps(top);
+}
+
+// kLanes values times inverse, rounded to nearest even -> codes; returns their sum
+template <typename T>
+int32_t codes_of(const T* values, float inverse, int8_t codes[kLanes]) {
+  const __m512i ints = _mm512_cvtps_epi32(mul(load_floats(values), splat(inverse)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(ints));
+  return _mm512_reduce_add_epi32(ints);
+}
+
+#else  // AVX2 and FMA
+
+constexpr int kLanes = 8;
+constexpr int kColumns = 4;  // 16 ymm registers: 4 sums, 4 chunks and 4 float sums, x, w
+constexpr int kRowBlocks = 1;
+constexpr bool kSignedQ8 = true;
+using Ints = __m256i;
+using Floats = __m256;
+
+template <int64_t kType>
+constexpr int kLargestCode = kType == Q8_0 ? 128 : kType == Q6_K ? 63 : kType == Q5_0 || kType == Q5_K ? 31 : 15;
+template <int64_t kType>
+constexpr int kChunkSteps = std::min(kSubValues<kType> / 4, 32767 / (2 * 127 * kLargestCode<kType>));
+
+inline Ints load_ints(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline Ints broadcast4(const uint8_t* p) { return _mm256_set1_epi32(four_at(p)); }
+inline Ints chunk_start(Ints) { return _mm256_setzero_si256(); }
+inline Ints chunk_end(Ints sums, Ints chunk) {
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(chunk, _mm256_set1_epi16(1)));
+}
+template <int64_t kType>
+inline Ints dot_step(Ints chunk, Ints w, Ints x) {
+  if constexpr (kType == Q8_0)
+    return _mm256_add_epi16(chunk, _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)));
+  return _mm256_add_epi16(chunk, _mm256_maddubs_epi16(w, x));
+}
+
+inline Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
+inline Floats load_floats(const uint16_t* p) {  // bfloat16 -> float32
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+inline Floats splat(float v) { return _mm256_set1_ps(v); }
+inline Floats zero_floats() { return _mm256_setzero_ps(); }
+inline Floats floats_of(Ints v) { return _mm256_cvtepi32_ps(v); }
+inline Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
+inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store_lanes(Floats v, float* dst) { _mm256_storeu_ps(dst, v); }
+inline void store_lanes(Floats v, uint16_t* dst) {  // bfloat16, nearest even
+  alignas(32) float values[kLanes];
+  _mm256_store_ps(values, v);
+  for (int i = 0; i < kLanes; ++i) dst[i] = c10::detail::round_to_nearest_even(values[i]);
+}
+
+template <typename T>
+float largest_magnitude(const T* values, int64_t count) {
+  const Floats magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  Floats top = zero_floats();
+  for (int64_t k = 0; k < count; k += kLanes)
+    top = _mm256_max_ps(top, _mm256_and_ps(load_floats(values + k), magnitude));
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, top);
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
+template <typename T>
+int32_t codes_of(const T* values, float inverse, int8_t codes[kLanes]) {
+  const __m256i ints = _mm256_cvtps_epi32(mul(load_floats(values), splat(inverse)));
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packs_epi16(words, words));
+  alignas(32) int32_t lanes[kLanes];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), ints);
+  int32_t sum = 0;
+  for (int32_t lane : lanes) sum += lane;
+  return sum;
+}
+
+#endif
+
+}  // namespace conveyor_int8
+#endif
