@@ -123,7 +123,8 @@ def teacher_forced(engine: Engine, ids: list[int]) -> TeacherForced:
     argmax, logprobs = [], []
     targets = torch.tensor(ids[1:] + [0])
     start = 0
-    with torch.inference_mode():
+    prompt_step = cpu_kernels.step_kind(True, int8_activations=engine.runner.int8_activations)
+    with torch.inference_mode(), prompt_step:  # the kernel a prompt step's rows take
         for hidden in hidden_chunks[: _prefill_steps(len(ids), engine)]:
             logits = model.compute_logits(hidden).double()
             argmax.append(logits.argmax(-1))

@@ -193,18 +193,21 @@ def test_bfloat16_rows_take_int8_tiles_in_prompt_steps_and_full_batches_unless_t
     def int8_of(x):
         return int8(x, linear.blocks, int(Q.Q5_0), 40, 96)
 
-    decode = torch.randn(cpu_kernels.INT8_GEMM_ROWS, 96).bfloat16()
+    decode = torch.randn(cpu_kernels.INT8_DECODE_ROWS + 1, 96).bfloat16()
     assert torch.equal(linear(decode), int8_of(decode))
-    few = decode[: cpu_kernels.INT8_GEMM_ROWS - 1]
+    few = decode[: cpu_kernels.INT8_DECODE_ROWS]  # a decode step this small: quant_dot
+    quant_dot = native.native_ops().quant_dot(few, linear.blocks, int(Q.Q5_0), 40, 96)
+    assert torch.equal(linear(few), quant_dot) and not torch.equal(quant_dot, int8_of(few))
     with cpu_kernels.step_kind(has_prompt_rows=True):
         assert torch.equal(linear(few), int8_of(few))
-    if (
-        cpu_kernels.bf16_tiles() and len(few) > cpu_kernels.integer_dot_rows()
-    ):  # else quant_dot serves
-        assert not torch.equal(linear(few), int8_of(few))
-        tiles = native.native_ops().quant_gemm(decode, linear.blocks, int(Q.Q5_0), 40, 96)
-        with cpu_kernels.step_kind(has_prompt_rows=True, int8_activations=False):  # dtype
-            assert torch.equal(linear(decode), tiles)
+    with cpu_kernels.step_kind(has_prompt_rows=False, int8_activations=False):  # dtype
+        assert cpu_kernels.integer_dot_rows() >= cpu_kernels.DECODE_ROWS
+        assert not torch.equal(linear(decode), int8_of(decode))
+    if cpu_kernels.bf16_tiles():
+        many = torch.randn(cpu_kernels.DECODE_ROWS + 1, 96).bfloat16()
+        tiles = native.native_ops().quant_gemm(many, linear.blocks, int(Q.Q5_0), 40, 96)
+        with cpu_kernels.step_kind(has_prompt_rows=False, int8_activations=False):
+            assert torch.equal(linear(many), tiles)
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)

@@ -17,13 +17,13 @@ from kernels.native import cpu_flags, native_ops
 
 DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel (one pass: kMaxRows with
 # AVX-512); more dequantize tiles (quant_gemm for bfloat16: at 4-6 rows it took 1.5-1.8x longer)
+INT8_DECODE_ROWS = 4  # the same where 8-bit activations take the rest: quant_gemm_int8 took
+# less from 5 rows, for Qwen 0.5B's layers at 5-6 rows 15.5 ms against quant_dot's 16.2-17.4 with
+# AVX-512 (bfloat16), 19.1 against 30.5-34.8 with AVX2 (float32); at 8-12 rows 25-27 ms where
+# the bfloat16 tiles took 40-45 (docs/benchmarks.md, 2026-11-27)
 SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2) and 8-bit activations:
 # dequantizing a tile is scalar there, and quant_dot, a pass per 4 rows, stays faster up to
 # about 48 rows
-INT8_GEMM_ROWS = DECODE_ROWS + 1  # from this many rows take quant_gemm_int8: with the next
-# tile's blocks fetched as it multiplies, it took 25-27 ms for Qwen 0.5B's matmuls at 8-12 rows
-# where the bfloat16 tiles took 40-45; on AVX2, 20-35 ms where quant_dot took 41-60
-# (docs/benchmarks.md, 2026-11-27)
 
 
 @functools.cache
@@ -92,10 +92,11 @@ def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0, int8_activations: bo
 
 
 def integer_dot_rows() -> int:
-    """At most this many rows run the few-rows kernel (quant_dot or quant_matmul)."""
-    if vector_dequantize() or (int8_tiles() and _STEP.int8_activations):
-        return DECODE_ROWS
-    return SCALAR_DEQUANTIZE_DECODE_ROWS
+    """At most this many rows (a decode step's sequences) run the few-rows kernel (quant_dot or
+    quant_matmul); more take quant_gemm_int8 where the step's activations are 8-bit."""
+    if int8_tiles() and _STEP.int8_activations:
+        return INT8_DECODE_ROWS
+    return DECODE_ROWS if vector_dequantize() else SCALAR_DEQUANTIZE_DECODE_ROWS
 
 
 def _counted_rows(rows: int) -> int:
@@ -110,9 +111,9 @@ def few_rows_step(rows: int) -> bool:
 
 def int8_rows_step(rows: int) -> bool:
     """The running step's quantized matmuls of `rows` rows take quant_gemm_int8: every
-    prompt step (a prompt's rows round the same in any chunk), and decode steps of at least
-    INT8_GEMM_ROWS sequences; never with --quantized-activations dtype."""
-    full_batch = _counted_rows(rows) >= INT8_GEMM_ROWS
+    prompt step (a prompt's rows round the same in any chunk), and decode steps of more than
+    integer_dot_rows() sequences; never with --quantized-activations dtype."""
+    full_batch = _counted_rows(rows) > integer_dot_rows()
     return _STEP.int8_activations and (_STEP.has_prompt_rows or full_batch)
 
 
