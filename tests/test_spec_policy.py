@@ -253,3 +253,48 @@ def test_a_costly_probe_relaxes_a_rows_failures_more_slowly():
             steps += 1
         waits.append(steps)
     assert waits[1] > 2 * waits[0] > 0
+
+
+def test_a_catch_up_token_has_its_own_measured_price():
+    cost = draft_cost(0.005)
+    assert cost.seconds_per_catch_up_token == pytest.approx(0.005)  # until measured: a draft's
+    for _ in range(40):
+        cost.observe_catch_up(10, 0.01)
+    assert cost.seconds_per_catch_up_token == pytest.approx(0.001, rel=0.01)
+    assert cost.seconds_per_token == pytest.approx(0.005)
+    cost.observe_catch_up(0, 1.0)  # nothing caught up beyond steady: nothing learned
+    assert cost.seconds_per_catch_up_token == pytest.approx(0.001, rel=0.01)
+
+
+def catch_up_policy(rate: float, seconds_per_catch_up: float) -> SpeculationPolicy:
+    """A 20 ms step, a 2 ms draft token, a catch-up token at the given price."""
+    policy = SpeculationPolicy(
+        5, fitted_cost(0.02, 0.00001), AcceptanceTracker(), draft_cost=draft_cost(0.002)
+    )
+    for _ in range(30):
+        policy.observe("r", 4, round(rate * 4))
+    for _ in range(40):
+        policy.draft_cost.observe_catch_up(10, 10 * seconds_per_catch_up)
+    return policy
+
+
+def test_a_rows_catch_up_is_priced_into_its_first_draft():
+    """A row back after steps at k = 0 pays its draft cache's catch-up before its first draft:
+    a short one still pays at acceptance 0.75, a long one does not, and a row behind it in the
+    queue with nothing to catch up on still drafts."""
+    policy = catch_up_policy(0.75, 0.001)
+    for name in ("behind", "steady"):
+        for _ in range(30):
+            policy.observe(name, 4, 3)
+    rows = [RowCandidate("behind", 10), RowCandidate("steady", 10)]
+    ahead = {"behind": 0, "steady": 0}
+
+    def choose():
+        return policy.choose(rows, 2, 2, 100, catch_up=lambda i: ahead[rows[i].request_id])
+
+    k = choose()[1]
+    assert k > 0 and choose() == [k, k]
+    ahead["behind"] = 5  # 5 ms: still pays
+    assert choose()[0] > 0
+    ahead["behind"] = 200  # 200 ms, ten steps
+    assert choose()[0] == 0 and choose()[1] > 0

@@ -93,6 +93,20 @@ class DraftModelProposer:
                 drafts[i] = draft
         return drafts
 
+    def catch_up_tokens(self, request: Request) -> int:
+        """The tokens the row's draft cache must compute before its first draft, beyond the one
+        or two a steady step's rows catch up on: what a row back after steps at k = 0 costs more.
+        0 for a row without a cache yet (its prompt: a one-off, mostly in the prefix cache) and
+        where prompt lookup would serve the draft (no forward pass)."""
+        row = self.rows.get(request.request_id)
+        if row is None:
+            return 0
+        token_ids = request.all_token_ids
+        behind = len(token_ids) - min(row.num_valid(token_ids), len(token_ids) - 1)
+        if behind <= STEADY_CATCH_UP or self._looked_up(request, 1) is not None:
+            return 0
+        return behind - STEADY_CATCH_UP
+
     def _looked_up(self, request: Request, k: int) -> list[int] | None:
         """The k tokens that followed an earlier occurrence of the row's last tokens, or None."""
         if self.lookup is None or k <= 0:
@@ -193,14 +207,19 @@ class DraftModelProposer:
         return drafts
 
     def _observe_cost(self, plans: list[RowPlan], seconds: float) -> None:
-        """Steady steps only: each row catching up on at most the two tokens a verify leaves (its
-        last accepted draft, not fed back, and the bonus token). A new row's first few tokens
-        past the cached prefix, or a row back from steps without drafts, are a forward pass over
-        several tokens: the first such one measured (6 tokens of Qwen 0.5B, 30 ms against a
-        steady 14) held the draft pair at k = 0 for a whole request."""
-        num_caught_up = sum(p.end - p.start for p in plans)
-        if num_caught_up <= STEADY_CATCH_UP * len(plans):
-            self.cost.observe(sum(p.k for p in plans), seconds)
+        """A draft's price from steady steps only: each row catching up on at most the two tokens
+        a verify leaves (its last accepted draft, not fed back, and the bonus token). A new row's
+        first few tokens past the cached prefix, or a row back from steps without drafts, are a
+        forward pass over several tokens: the first such one measured (6 tokens of Qwen 0.5B, 30
+        ms against a steady 14) held the draft pair at k = 0 for a whole request. Those calls
+        price a catch-up token instead: their seconds beyond their drafts' price."""
+        num_drafts = sum(p.k for p in plans)
+        beyond_steady = sum(p.end - p.start for p in plans) - STEADY_CATCH_UP * len(plans)
+        if beyond_steady <= 0:
+            self.cost.observe(num_drafts, seconds)
+        else:
+            drafts_seconds = num_drafts * self.cost.seconds_per_token
+            self.cost.observe_catch_up(beyond_steady, seconds - drafts_seconds)
 
     def release(self, request_id: str) -> None:
         """The request finished, was aborted or preempted: its draft blocks go back."""

@@ -24,15 +24,18 @@ rate stays where it does not pay for want of new evidence.
 
 A draft model's own forward passes cost time the target's step does not show: `DraftCost`
 measures its seconds per drafted token, and each draft is charged that on top of the step's
-predicted cost, so k is chosen from expected tokens / (target step + draft). Prompt lookup
-costs nothing here (no DraftCost).
+predicted cost, so k is chosen from expected tokens / (target step + draft). A row's first draft
+is also charged its catch-up: the tokens its draft cache lacks beyond a steady step's (a row back
+after steps at k = 0 catches up on all of them), at the measured seconds per catch-up token. The
+forced probes pay it unpriced: without them an engine whose cost fit first said k = 0 stayed
+there (docs/benchmarks.md, 2026-11-27). Prompt lookup costs nothing here (no DraftCost).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,21 +88,35 @@ class StepCostModel:
 
 
 class DraftCost:
-    """Measured seconds of the draft model per drafted token: a moving average over steady
-    steps (catching up on a whole prompt is a one-off, not the price of a draft)."""
+    """Measured seconds of the draft model per drafted token, a moving average over steady
+    steps; and apart, per token of a catch-up beyond a steady step's (a prompt, a row back after
+    steps without drafts), from the calls that had one."""
 
     def __init__(self, decay: float = 0.9):
         self.decay = decay
-        self._seconds, self._tokens = 0.0, 0.0
+        self._drafts = (0.0, 0.0)  # (seconds, drafted tokens), decayed
+        self._catch_ups = (0.0, 0.0)  # (seconds, tokens caught up beyond steady), decayed
 
     def observe(self, num_draft_tokens: int, seconds: float) -> None:
         if num_draft_tokens > 0:
-            self._seconds = self.decay * self._seconds + seconds
-            self._tokens = self.decay * self._tokens + num_draft_tokens
+            self._drafts = _decayed(self._drafts, self.decay, seconds, num_draft_tokens)
+
+    def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
+        """A call whose rows caught up on num_tokens more than steady steps do, in seconds more
+        than its drafts cost."""
+        if num_tokens > 0:
+            self._catch_ups = _decayed(self._catch_ups, self.decay, max(seconds, 0.0), num_tokens)
 
     @property
     def seconds_per_token(self) -> float:
-        return self._seconds / self._tokens if self._tokens else 0.0
+        seconds, tokens = self._drafts
+        return seconds / tokens if tokens else 0.0
+
+    @property
+    def seconds_per_catch_up_token(self) -> float:
+        """Until measured, a drafted token's: a catch-up token is a token of forward pass too."""
+        seconds, tokens = self._catch_ups
+        return seconds / tokens if tokens else self.seconds_per_token
 
 
 class AcceptanceTracker:
@@ -229,10 +246,17 @@ class SpeculationPolicy:
         self.acceptance.observe(request_id, num_drafted, num_accepted)
 
     def choose(
-        self, rows: Sequence[RowCandidate], num_rows: int, num_tokens: int, token_budget_left: int
+        self,
+        rows: Sequence[RowCandidate],
+        num_rows: int,
+        num_tokens: int,
+        token_budget_left: int,
+        catch_up: Callable[[int], int] | None = None,
     ) -> list[int]:
         """rows: the decoding rows that may speculate; num_rows, num_tokens: the step as
-        scheduled without drafts. -> k per row, maximising expected tokens per second."""
+        scheduled without drafts; catch_up(i): the tokens row i's draft cache must compute
+        before its first draft beyond a steady step's (asked only of rows that may draft).
+        -> k per row, maximising expected tokens per second."""
         ks = [0] * len(rows)
         if not rows or token_budget_left <= 0 or not self.cost.is_fitted:
             return ks
@@ -246,14 +270,19 @@ class SpeculationPolicy:
         expected = float(num_rows)  # each scheduled row yields one token without drafts
         best = expected / self.cost.predict(num_rows, num_tokens)
         per_draft = self.draft_cost.seconds_per_token if self.draft_cost is not None else 0.0
-        extra = 0
+        first_draft = self._catch_up_seconds(catch_up)
+        extra, catching_up = 0, 0.0
         while heap and extra < token_budget_left:
             negative_gain, i = heapq.heappop(heap)
+            row_catch_up = first_draft(i) if ks[i] == 0 else 0.0
             seconds = self.cost.predict(num_rows, num_tokens + extra + 1) + per_draft * (extra + 1)
-            goodput = (expected - negative_gain) / seconds
+            goodput = (expected - negative_gain) / (seconds + catching_up + row_catch_up)
             if goodput <= best:
+                if row_catch_up:
+                    continue  # this row's catch-up does not pay; others' drafts may
                 break  # gains only shrink from here
             expected, best, extra = expected - negative_gain, goodput, extra + 1
+            catching_up += row_catch_up
             ks[i] += 1
             if ks[i] < caps[i]:
                 heapq.heappush(heap, (negative_gain * rates[i], i))
@@ -263,6 +292,13 @@ class SpeculationPolicy:
             if probe and extra < token_budget_left and self._cap(row):
                 ks[i], extra = 1, extra + 1
         return ks
+
+    def _catch_up_seconds(self, catch_up: Callable[[int], int] | None) -> Callable[[int], float]:
+        """Row i's catch-up, in seconds of the draft model (0 without one or without catch_up)."""
+        if catch_up is None or self.draft_cost is None:
+            return lambda i: 0.0
+        per_token = self.draft_cost.seconds_per_catch_up_token
+        return lambda i: catch_up(i) * per_token
 
     def _cap(self, row: RowCandidate) -> int:
         return min(self.num_speculative_tokens, row.max_k)
@@ -281,6 +317,11 @@ class FixedK(SpeculationPolicy):
         super().__init__(k, StepCostModel(), AcceptanceTracker())
 
     def choose(
-        self, rows: Sequence[RowCandidate], num_rows: int, num_tokens: int, token_budget_left: int
+        self,
+        rows: Sequence[RowCandidate],
+        num_rows: int,
+        num_tokens: int,
+        token_budget_left: int,
+        catch_up: Callable[[int], int] | None = None,
     ) -> list[int]:
         return [self._cap(row) for row in rows]

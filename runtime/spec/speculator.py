@@ -49,6 +49,11 @@ class Proposer(Protocol):
         """The request finished, was aborted or preempted: what the proposer keeps of it goes."""
         ...
 
+    def catch_up_tokens(self, request: Request) -> int:
+        """What the row's first draft must compute beyond a steady step's (a draft model's cache
+        behind after steps without drafts); 0 where drafting costs no forward pass."""
+        ...
+
 
 class PromptLookup:
     """The n-gram proposer over requests: nothing kept per row."""
@@ -61,6 +66,9 @@ class PromptLookup:
 
     def release(self, request_id: str) -> None:
         pass
+
+    def catch_up_tokens(self, request: Request) -> int:
+        return 0
 
 
 class Speculator:
@@ -89,7 +97,10 @@ class Speculator:
     ) -> list[list[int]]:
         eligible = [i for i, r in enumerate(rows) if can_speculate(r.sampling_params)]
         candidates = [RowCandidate(rows[i].request_id, max_ks[i]) for i in eligible]
-        ks = self.policy.choose(candidates, num_rows, num_tokens, token_budget_left)
+        ks = self.policy.choose(
+            candidates, num_rows, num_tokens, token_budget_left,
+            catch_up=lambda c: self.proposer.catch_up_tokens(rows[eligible[c]]),
+        )  # fmt: skip
         drafts: list[list[int]] = [[] for _ in rows]
         for k in ks:
             self.num_rows_per_k[k] = self.num_rows_per_k.get(k, 0) + 1
