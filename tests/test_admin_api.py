@@ -310,6 +310,21 @@ def test_keys_are_shown_once_and_revoking_or_disabling_takes_effect(server):
     assert admin(server, "POST", "/tenants/999999/keys").status == 404
 
 
+@pytest.mark.parametrize("raw", [b" ", b"\n", b"{", b"null"])
+def test_a_key_body_that_is_not_an_object_is_refused_and_makes_no_key(server, raw):
+    """No body at all takes the defaults; a body that is not a JSON object is a 400."""
+    tenant, _ = new_tenant(server)
+    path = f"{server.base_url}/admin/tenants/{tenant['id']}/keys"
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"}
+    request = urllib.request.Request(path, raw, headers, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60).close()
+    with refused.value as error:
+        assert error.code == 400 and json.loads(error.read())["error"]["type"]
+    keys = admin(server, "GET", f"/tenants/{tenant['id']}/keys").body["items"]
+    assert len(keys) == 1  # new_tenant's own
+
+
 def test_usage_counts_tokens_against_quotas(server):
     tenant, key = new_tenant(server, daily_token_quota=10_000, max_concurrency=4, rpm=100)
     reply = complete(server, key, max_tokens=3)
