@@ -2,8 +2,8 @@
 QuantizedWeight asks): few rows kernels/cpu/quant_dot.cpp (integer dots, int16 activations) or
 quant_matmul.cpp (float); many rows quant_gemm_int8.cpp (8-bit activations, AVX-512 VNNI or
 AVX2) or, for bfloat16 rows, quant_gemm.cpp (bfloat16 tiles, AVX-512 BF16); else none (tiles
-dequantized for torch's matmul). The running step's kind (step_kind) decides with the row count, so that a row rounds
-the same way wherever the scheduler puts it."""
+dequantized for torch's matmul). The running step's kind (step_kind) decides with the row count,
+so that a row rounds the same way wherever the scheduler puts it."""
 
 from __future__ import annotations
 

@@ -51,6 +51,11 @@ class DraftRow:
             num_matched += 1
         return base + num_matched
 
+    def catch_up_start(self, token_ids: list[int]) -> int:
+        """Where the next catch-up starts: past the valid tokens, and never past the last token
+        (it is always fed: it gives the first draft)."""
+        return min(self.num_valid(token_ids), len(token_ids) - 1)
+
 
 @dataclass(slots=True)
 class RowPlan:
@@ -102,7 +107,7 @@ class DraftModelProposer:
         if row is None:
             return 0
         token_ids = request.all_token_ids
-        behind = len(token_ids) - min(row.num_valid(token_ids), len(token_ids) - 1)
+        behind = len(token_ids) - row.catch_up_start(token_ids)
         if behind <= STEADY_CATCH_UP or self._looked_up(request, 1) is not None:
             return 0
         return behind - STEADY_CATCH_UP
@@ -142,7 +147,7 @@ class DraftModelProposer:
         if k <= 0 or budget <= 0:
             return None
         row = self.rows.get(request.request_id) or self._new_row(request.request_id, token_ids)
-        start = min(row.num_valid(token_ids), len(token_ids) - 1)  # the last token: always fed
+        start = row.catch_up_start(token_ids)
         end = min(len(token_ids), start + budget)
         if end < len(token_ids):
             k = 0  # a chunk of a long catch-up
