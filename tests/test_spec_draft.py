@@ -14,7 +14,7 @@ from runtime.engine import Engine
 from runtime.models import catalog
 from runtime.spec.draft_model import DraftTokenizerMismatch
 from runtime.spec.draft_proposer import DraftModelProposer
-from runtime.spec.policy import DraftCost, FixedK
+from runtime.spec.policy import DraftCost, DraftWork, FixedK
 from runtime.spec.proposer import NgramConfig, NgramProposer
 from scheduler.block_pool import chain_hashes
 from scheduler.request import Request, SamplingParams
@@ -282,14 +282,14 @@ def test_the_draft_cost_is_measured_on_steady_steps_only(tiny_cached):
     proposer.propose_rows([request], [4])
     steady = cost.seconds_per_token
     assert steady > 0.0
-    assert proposer.catch_up_tokens(request) == 0  # a steady row
+    assert proposer.draft_work(request) == DraftWork(by_model=True)  # a steady row
     request.output_token_ids += [11, 12, 13, 14, 15]  # steps without drafts
     behind = request.num_tokens - proposer.rows["steady"].num_valid(request.all_token_ids)
-    assert proposer.catch_up_tokens(request) == behind - 2 > 0  # beyond a steady step's two
+    assert proposer.draft_work(request).catch_up_tokens == behind - 2 > 0  # beyond a steady 2
     proposer.propose_rows([request], [4])
     assert cost.seconds_per_token == steady
     assert cost.seconds_per_catch_up_token != steady  # that call priced a catch-up token
-    assert proposer.catch_up_tokens(Request("new", [7, 8, 9])) == 0  # a prompt: a one-off
+    assert proposer.draft_work(Request("new", [7, 8, 9])).catch_up_tokens == 0  # a one-off
     proposer.release("steady")
 
 
@@ -307,9 +307,9 @@ def test_prompt_lookup_drafts_first_and_the_model_where_nothing_matches(tiny_cac
     assert drafts[0] == phrase[3:7]
     assert "repeats" not in proposer.rows  # no forward pass for it
     fresh.output_token_ids += [51, 52, 53, 54, 55, 56]  # behind, and nothing to look up
-    assert proposer.catch_up_tokens(fresh) > 0
+    assert proposer.draft_work(fresh).catch_up_tokens > 0
     fresh.output_token_ids += [51, 52, 53]  # its last 3 tokens occurred before: lookup serves
-    assert proposer.catch_up_tokens(fresh) == 0
+    assert proposer.draft_work(fresh) == DraftWork(by_model=False)  # no forward pass
     del fresh.output_token_ids[-9:]
     model_only = DraftModelProposer(draft, 4)
     alone = model_only.propose_rows([fresh], [4])[0]

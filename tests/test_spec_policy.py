@@ -6,6 +6,7 @@ import pytest
 from runtime.spec.policy import (
     AcceptanceTracker,
     DraftCost,
+    DraftWork,
     RowCandidate,
     SpeculationPolicy,
     StepCostModel,
@@ -142,7 +143,7 @@ def test_the_draft_models_cost_is_a_moving_average_per_drafted_token():
 
 @pytest.mark.parametrize(
     "seconds_per_draft, expected_k",
-    [(0.0, 5), (0.002, 5), (0.006, 2), (0.03, 0)],
+    [(0.0, 5), (0.002, 4), (0.006, 2), (0.03, 0)],
 )
 def test_the_draft_models_cost_lowers_k(seconds_per_draft, expected_k):
     """A 20 ms step, acceptance 0.75: the j-th draft's gain 0.75^j must pay for its seconds."""
@@ -290,11 +291,77 @@ def test_a_rows_catch_up_is_priced_into_its_first_draft():
     ahead = {"behind": 0, "steady": 0}
 
     def choose():
-        return policy.choose(rows, 2, 2, 100, catch_up=lambda i: ahead[rows[i].request_id])
+        def work(i):
+            return DraftWork(by_model=True, catch_up_tokens=ahead[rows[i].request_id])
+
+        return policy.choose(rows, 2, 2, 100, work=work)
 
     k = choose()[1]
     assert k > 0 and choose() == [k, k]
-    ahead["behind"] = 5  # 5 ms: still pays
+    ahead["behind"] = 3  # 3 ms: still pays
     assert choose()[0] > 0
     ahead["behind"] = 200  # 200 ms, ten steps
     assert choose()[0] == 0 and choose()[1] > 0
+
+
+def costly_draft_policy() -> SpeculationPolicy:
+    """A draft model on a CPU (Qwen2.5-Coder 0.5B for the 1.5B, 2 cores): a 25 ms step, a draft
+    token 14.5 ms and its verify row 10 ms, so that a draft pays only where it is accepted 98
+    times in 100."""
+    return SpeculationPolicy(
+        5, fitted_cost(0.015, 0.01), AcceptanceTracker(), draft_cost=draft_cost(0.0145)
+    )
+
+
+def test_a_draft_that_barely_pays_waits_for_evidence_of_its_own():
+    """A new request starts from a copying engine's rate, 0.98, and probes with one draft; but
+    two acceptances are no evidence that its drafts clear 0.98 (a story's stock opening is
+    accepted, then its text is not); a long run of full acceptances is."""
+    policy = costly_draft_policy()
+    for _ in range(60):
+        policy.observe("copying", 5, 5)
+    assert policy.acceptance.rate("new") > 0.95
+    assert policy.choose([RowCandidate("new", 10)], 1, 1, token_budget_left=100) == [1]  # probe
+    for _ in range(2):
+        policy.observe("opening", 1, 1)
+    assert policy.choose([RowCandidate("opening", 10)], 1, 1, token_budget_left=100) == [0]
+    for _ in range(30):
+        policy.observe("copy", 5, 5)
+    assert policy.choose([RowCandidate("copy", 10)], 1, 1, token_budget_left=100)[0] > 0
+
+
+def test_prompt_lookups_drafts_are_planned_at_the_mean():
+    """A draft with no forward pass costs its verify row alone (here a sixth of a step): a
+    request probes from a low engine rate and again after a failure, where the cautious rate
+    would not (SmolLM2's json after a copy workload whose drafts failed: 1.70x with the probes,
+    0.99x without)."""
+    policy = SpeculationPolicy(5, fitted_cost(0.02, 0.004), AcceptanceTracker())
+    for accepted in (1, 0, 0):
+        policy.observe("other", 1, accepted)
+    assert policy.acceptance.cautious_rate("new") < 0.15 < policy.acceptance.rate("new") < 0.5
+    assert policy.choose([RowCandidate("new", 10)], 1, 1, token_budget_left=100) == [1]
+    policy.observe("new", 1, 0)
+    assert policy.choose([RowCandidate("new", 10)], 1, 1, token_budget_left=100) == [1]
+
+
+def test_rows_that_prompt_lookup_serves_are_not_charged_the_draft_models_cost():
+    """--draft-prompt-lookup: a row whose drafts lookup serves costs the verify row alone, so it
+    drafts where a row the model would serve, accepted as often, does not."""
+    policy = costly_draft_policy()
+    for name in ("looked up", "modelled"):
+        for _ in range(30):
+            policy.observe(name, 4, 3)
+    rows = [RowCandidate("looked up", 10), RowCandidate("modelled", 10)]
+    ks = policy.choose(rows, 2, 2, 100, work=lambda i: DraftWork(by_model=i == 1))
+    assert ks[0] > 0 and ks[1] == 0
+
+
+def test_an_engine_that_never_verified_a_draft_probes_at_once():
+    """Before any evidence the cautious rate pays for no draft; the first rows probe at once
+    rather than after probe_interval steps, and then the evidence decides."""
+    policy = SpeculationPolicy(5, fitted_cost(0.02, 0.005), AcceptanceTracker(probe_interval=64))
+    rows = [RowCandidate("a", 10), RowCandidate("b", 10)]
+    assert policy.choose(rows, 2, 2, token_budget_left=100) == [1, 1]
+    policy.observe("a", 1, 0)
+    policy.observe("b", 1, 0)
+    assert policy.choose(rows, 2, 2, token_budget_left=100) == [0, 0]

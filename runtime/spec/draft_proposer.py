@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.spec.draft_model import Chunk, DraftModel
-from runtime.spec.policy import DraftCost
+from runtime.spec.policy import NO_DRAFT_WORK, DraftCost, DraftWork
 from runtime.spec.proposer import NgramProposer, history_of
 from scheduler.block_pool import chain_hashes
 from scheduler.request import Request
@@ -98,19 +98,19 @@ class DraftModelProposer:
                 drafts[i] = draft
         return drafts
 
-    def catch_up_tokens(self, request: Request) -> int:
-        """The tokens the row's draft cache must compute before its first draft, beyond the one
-        or two a steady step's rows catch up on: what a row back after steps at k = 0 costs more.
-        0 for a row without a cache yet (its prompt: a one-off, mostly in the prefix cache) and
-        where prompt lookup would serve the draft (no forward pass)."""
+    def draft_work(self, request: Request) -> DraftWork:
+        """No forward pass where prompt lookup would serve the row's drafts. Otherwise the
+        model's, and first the tokens the row's draft cache must compute beyond the one or two a
+        steady step's rows catch up on: what a row back after steps at k = 0 costs more; none
+        for a row without a cache yet (its prompt: a one-off, mostly in the prefix cache)."""
+        if self._looked_up(request, 1) is not None:
+            return NO_DRAFT_WORK
         row = self.rows.get(request.request_id)
         if row is None:
-            return 0
+            return DraftWork(by_model=True)
         token_ids = request.all_token_ids
         behind = len(token_ids) - row.catch_up_start(token_ids)
-        if behind <= STEADY_CATCH_UP or self._looked_up(request, 1) is not None:
-            return 0
-        return behind - STEADY_CATCH_UP
+        return DraftWork(by_model=True, catch_up_tokens=max(behind - STEADY_CATCH_UP, 0))
 
     def _looked_up(self, request: Request, k: int) -> list[int] | None:
         """The k tokens that followed an earlier occurrence of the row's last tokens, or None."""

@@ -5,7 +5,12 @@ token is scheduled.
 
 Acceptance: per request, a moving average of the per-draft acceptance rate a (accepted drafts
 over drafts tried until the first rejection). With k drafts a row yields in expectation
-1 + a + a^2 + ... + a^k tokens, so the j-th draft adds a^j.
+1 + a + a^2 + ... + a^k tokens, so the j-th draft adds a^j. A draft model's drafts, once a
+request has evidence of its own, are planned with a less one standard error
+(AcceptanceTracker.planned_rate): where such a draft barely pays for itself (on a CPU its draft
+token and verify row cost 0.98 of a plain step) a few early acceptances are no evidence that it
+will, and a text whose opening the draft guessed and whose rest it did not cost chat 2-5%
+(docs/benchmarks.md, 2026-11-27, afternoon).
 
 Step cost: t(rows, tokens) = c0 + c_rows * rows + c_tokens * tokens, fitted online by least
 squares over a window of measured steps. Adding drafts adds tokens only (rows are scheduled
@@ -23,9 +28,10 @@ and after `probe_interval` such steps in a row gets one single-draft probe, so t
 rate stays where it does not pay for want of new evidence.
 
 A draft model's own forward passes cost time the target's step does not show: `DraftCost`
-measures its seconds per drafted token, and each draft is charged that on top of the step's
-predicted cost, so k is chosen from expected tokens / (target step + draft). A row's first draft
-is also charged its catch-up: the tokens its draft cache lacks beyond a steady step's (a row back
+measures its seconds per drafted token, and each draft the model makes is charged that on top of
+the step's predicted cost, so k is chosen from expected tokens / (target step + draft); a row
+whose drafts prompt lookup serves (--draft-prompt-lookup) is not (`DraftWork`, per row from the
+proposer). A row's first model draft is also charged its catch-up: the tokens its draft cache lacks beyond a steady step's (a row back
 after steps at k = 0 catches up on all of them), at the measured seconds per catch-up token. The
 forced probes pay it unpriced: without them an engine whose cost fit first said k = 0 stayed
 there (docs/benchmarks.md, 2026-11-27). Prompt lookup costs nothing here (no DraftCost).
@@ -34,6 +40,7 @@ there (docs/benchmarks.md, 2026-11-27). Prompt lookup costs nothing here (no Dra
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -180,6 +187,26 @@ class AcceptanceTracker:
         accepted, tried = self._trials.get(request_id, (0.0, 0.0))
         return (accepted + self.engine_rate * self.prior_weight) / (tried + self.prior_weight)
 
+    def cautious_rate(self, request_id: str) -> float:
+        """rate() less one standard error of it (a Beta posterior's, over the request's decayed
+        drafts and the prior's weight)."""
+        rate = self.rate(request_id)
+        evidence = self._trials.get(request_id, (0.0, 0.0))[1] + self.prior_weight
+        return max(0.0, rate - math.sqrt(rate * (1.0 - rate) / (evidence + 1.0)))
+
+    def planned_rate(self, request_id: str, by_model: bool) -> float:
+        """The rate the policy plans a request's drafts with: rate(), but cautious_rate() for a
+        draft model's drafts once the request has evidence of its own. Such a draft (a draft
+        token and its verify row: 0.98 of Qwen2.5-Coder-1.5B's step on a CPU) pays only where
+        nearly every draft is accepted, and a few acceptances (a story's stock opening) are no
+        evidence of that. Its first probe (one draft, probe_cap) explores at the mean. Prompt
+        lookup's drafts cost a verify row each, a quarter of a step: planned at the mean, so
+        that a request probes from a low engine rate and ramps up as its drafts land (SmolLM2's
+        json after a copy workload whose drafts failed: 1.70x at the mean, 0.99x cautious)."""
+        if by_model and request_id in self._trials:
+            return self.cautious_rate(request_id)
+        return self.rate(request_id)
+
     def probe_cap(self, request_id: str) -> int:
         """The most drafts the request may take now: one more than its own accepted drafts
         (decayed). A request probes with one draft and grows k only as drafts land, so a chat
@@ -192,14 +219,16 @@ class AcceptanceTracker:
         probed again. True on every `probe_interval`-th such step in a row: then the row gets a
         single-draft probe whatever its rate, so that no rate stays where it does not pay for
         want of evidence (an engine whose first probes all failed observes nothing new
-        otherwise). One verified token in probe_interval steps is under 1% of them."""
+        otherwise). One verified token in probe_interval steps is under 1% of them. An engine
+        that has verified no draft yet probes at once: cautious_rate() holds the prior's 0.5 to
+        0.21, which pays for no draft anywhere, so evidence must come from somewhere."""
         decay = self._relax_decay_for(probe_cost)
         trials = self._trials.get(request_id, (0.0, 0.0))
         if trials[1]:
             self._trials[request_id] = _decayed(trials, decay)
         waited = self._waited.get(request_id, 0) + 1
         self._waited[request_id] = waited % self.probe_interval
-        return waited == self.probe_interval
+        return waited == self.probe_interval or not self._engine_trials[1]
 
     def _relax_decay_for(self, probe_cost: float) -> float:
         """relax_decay where a failed single-draft probe costs what prompt lookup's does (a third
@@ -219,6 +248,19 @@ def _decayed(
 ) -> tuple[float, float]:
     """(accepted, tried) after one more observation: the old evidence weighs `decay`."""
     return decay * trials[0] + accepted, decay * trials[1] + tried
+
+
+@dataclass(frozen=True)
+class DraftWork:
+    """What a row's drafts cost its proposer: a forward pass of the draft model per draft
+    (by_model), and first the tokens its draft cache lacks beyond a steady step's (a row back
+    after steps at k = 0 catches up on all of them). Prompt lookup: neither."""
+
+    by_model: bool
+    catch_up_tokens: int = 0
+
+
+NO_DRAFT_WORK = DraftWork(by_model=False)
 
 
 @dataclass(frozen=True)
@@ -251,60 +293,81 @@ class SpeculationPolicy:
         num_rows: int,
         num_tokens: int,
         token_budget_left: int,
-        catch_up: Callable[[int], int] | None = None,
+        work: Callable[[int], DraftWork] | None = None,
     ) -> list[int]:
         """rows: the decoding rows that may speculate; num_rows, num_tokens: the step as
-        scheduled without drafts; catch_up(i): the tokens row i's draft cache must compute
-        before its first draft beyond a steady step's (asked only of rows that may draft).
+        scheduled without drafts; work(i): what row i's drafts cost the proposer (asked only of
+        rows that may draft; None: a model drafts every row, from a steady cache).
         -> k per row, maximising expected tokens per second."""
         ks = [0] * len(rows)
         if not rows or token_budget_left <= 0 or not self.cost.is_fitted:
             return ks
-        rates = [self.acceptance.rate(row.request_id) for row in rows]
+        price = self._pricer(work)
+        rates = [
+            self.acceptance.planned_rate(row.request_id, by_model=price(i)[0] > 0.0)
+            for i, row in enumerate(rows)
+        ]
         caps = [min(self._cap(row), self.acceptance.probe_cap(row.request_id)) for row in rows]
         # max-heap of each row's next draft's expected gain a^(k+1)
         heap = [
-            (-rate, i) for i, rate in enumerate(rates) if rate >= self.min_acceptance and caps[i]
+            (-rates[i], i)
+            for i, row in enumerate(rows)
+            if self.acceptance.rate(row.request_id) >= self.min_acceptance and caps[i]
         ]
         heapq.heapify(heap)
         expected = float(num_rows)  # each scheduled row yields one token without drafts
         best = expected / self.cost.predict(num_rows, num_tokens)
-        per_draft = self.draft_cost.seconds_per_token if self.draft_cost is not None else 0.0
-        first_draft = self._catch_up_seconds(catch_up)
-        extra, catching_up = 0, 0.0
+        extra, drafting = 0, 0.0  # drafts taken; the proposer's seconds for them
         while heap and extra < token_budget_left:
             negative_gain, i = heapq.heappop(heap)
-            row_catch_up = first_draft(i) if ks[i] == 0 else 0.0
-            seconds = self.cost.predict(num_rows, num_tokens + extra + 1) + per_draft * (extra + 1)
-            goodput = (expected - negative_gain) / (seconds + catching_up + row_catch_up)
+            per_draft, catch_up = price(i)
+            added = per_draft + (catch_up if ks[i] == 0 else 0.0)
+            seconds = self.cost.predict(num_rows, num_tokens + extra + 1) + drafting + added
+            goodput = (expected - negative_gain) / seconds
             if goodput <= best:
-                if row_catch_up:
-                    continue  # this row's catch-up does not pay; others' drafts may
+                if added:
+                    continue  # this row's drafts cost the proposer; others' may cost less
                 break  # gains only shrink from here
             expected, best, extra = expected - negative_gain, goodput, extra + 1
-            catching_up += row_catch_up
+            drafting += added
             ks[i] += 1
             if ks[i] < caps[i]:
                 heapq.heappush(heap, (negative_gain * rates[i], i))
-        probe_cost = self._probe_cost(num_rows, num_tokens, per_draft)
+        probe_cost = self._probe_cost(num_rows, num_tokens)
         for i, row in enumerate(rows):
             probe = ks[i] == 0 and self.acceptance.relax(row.request_id, probe_cost)
             if probe and extra < token_budget_left and self._cap(row):
                 ks[i], extra = 1, extra + 1
         return ks
 
-    def _catch_up_seconds(self, catch_up: Callable[[int], int] | None) -> Callable[[int], float]:
-        """Row i's catch-up, in seconds of the draft model (0 without one or without catch_up)."""
-        if catch_up is None or self.draft_cost is None:
-            return lambda i: 0.0
-        per_token = self.draft_cost.seconds_per_catch_up_token
-        return lambda i: catch_up(i) * per_token
+    def _pricer(
+        self, work: Callable[[int], DraftWork] | None
+    ) -> Callable[[int], tuple[float, float]]:
+        """Row i -> (seconds per draft, seconds of its first draft's catch-up), in the draft
+        model's measured seconds; (0, 0) without one, or where its drafts need no forward pass."""
+        if self.draft_cost is None:
+            return lambda i: (0.0, 0.0)
+        per_draft = self.draft_cost.seconds_per_token
+        per_catch_up = self.draft_cost.seconds_per_catch_up_token
+        if work is None:
+            return lambda i: (per_draft, 0.0)
+        priced: dict[int, tuple[float, float]] = {}
+
+        def price(i: int) -> tuple[float, float]:
+            if i not in priced:
+                row = work(i)
+                by_model = per_draft if row.by_model else 0.0
+                priced[i] = (by_model, row.catch_up_tokens * per_catch_up)
+            return priced[i]
+
+        return price
 
     def _cap(self, row: RowCandidate) -> int:
         return min(self.num_speculative_tokens, row.max_k)
 
-    def _probe_cost(self, num_rows: int, num_tokens: int, per_draft: float) -> float:
+    def _probe_cost(self, num_rows: int, num_tokens: int) -> float:
         """What one draft more adds to the step, as a share of the step."""
+        per_draft = self.draft_cost.seconds_per_token if self.draft_cost is not None else 0.0
         step = self.cost.predict(num_rows, num_tokens)
         return (self.cost.predict(num_rows, num_tokens + 1) + per_draft - step) / max(step, 1e-9)
 
@@ -322,6 +385,6 @@ class FixedK(SpeculationPolicy):
         num_rows: int,
         num_tokens: int,
         token_budget_left: int,
-        catch_up: Callable[[int], int] | None = None,
+        work: Callable[[int], DraftWork] | None = None,
     ) -> list[int]:
         return [self._cap(row) for row in rows]

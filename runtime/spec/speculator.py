@@ -12,8 +12,10 @@ from typing import Protocol
 from runtime.spec.draft_model import load_draft_model
 from runtime.spec.draft_proposer import DraftModelProposer
 from runtime.spec.policy import (
+    NO_DRAFT_WORK,
     AcceptanceTracker,
     DraftCost,
+    DraftWork,
     RowCandidate,
     SpeculationPolicy,
     StepCostModel,
@@ -49,9 +51,9 @@ class Proposer(Protocol):
         """The request finished, was aborted or preempted: what the proposer keeps of it goes."""
         ...
 
-    def catch_up_tokens(self, request: Request) -> int:
-        """What the row's first draft must compute beyond a steady step's (a draft model's cache
-        behind after steps without drafts); 0 where drafting costs no forward pass."""
+    def draft_work(self, request: Request) -> DraftWork:
+        """What the row's drafts would cost: a draft model's forward passes, and its cache's
+        catch-up beyond a steady step's (behind after steps without drafts)."""
         ...
 
 
@@ -67,8 +69,8 @@ class PromptLookup:
     def release(self, request_id: str) -> None:
         pass
 
-    def catch_up_tokens(self, request: Request) -> int:
-        return 0
+    def draft_work(self, request: Request) -> DraftWork:
+        return NO_DRAFT_WORK
 
 
 class Speculator:
@@ -99,7 +101,7 @@ class Speculator:
         candidates = [RowCandidate(rows[i].request_id, max_ks[i]) for i in eligible]
         ks = self.policy.choose(
             candidates, num_rows, num_tokens, token_budget_left,
-            catch_up=lambda c: self.proposer.catch_up_tokens(rows[eligible[c]]),
+            work=lambda c: self.proposer.draft_work(rows[eligible[c]]),
         )  # fmt: skip
         drafts: list[list[int]] = [[] for _ in rows]
         for k in ks:
