@@ -70,10 +70,14 @@ def test_a_request_left_at_k_zero_is_probed_again_where_the_engines_drafts_pay()
     assert chosen[0] == 0 and max(chosen) > 0
 
 
-def test_where_no_requests_drafts_pay_new_requests_are_not_probed():
-    policy = policy_with(0.0, fitted_cost(0.02, 0.00001))  # "r": every draft rejected
+def test_where_no_requests_drafts_pay_a_new_request_probes_once():
+    """Its own evidence decides, not the engine's: one single-draft probe, then nothing while
+    its drafts fail (as those of "r", every one rejected)."""
+    policy = policy_with(0.0, fitted_cost(0.02, 0.00001))
+    rows = [RowCandidate("r", 10), RowCandidate("new", 10)]
+    assert policy.choose(rows, num_rows=2, num_tokens=2, token_budget_left=100) == [0, 1]
+    policy.observe("new", 1, 0)
     for _ in range(40):
-        rows = [RowCandidate("r", 10), RowCandidate("new", 10)]
         assert policy.choose(rows, num_rows=2, num_tokens=2, token_budget_left=100) == [0, 0]
 
 

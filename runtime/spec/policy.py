@@ -129,8 +129,8 @@ class DraftCost:
 class AcceptanceTracker:
     """Per request, a moving average of the per-draft acceptance rate. A request without evidence
     starts from the engine's: every request's drafts, in a slower moving average (`prior` until
-    there is any). A workload that copies little (chat) then stops probing new requests, and one
-    that copies much starts them drafting at once."""
+    there is any). Under a workload that copies little (chat) a new request probes once and
+    stops; under one that copies much it starts drafting at once."""
 
     def __init__(
         self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9,
@@ -219,16 +219,18 @@ class AcceptanceTracker:
         probed again. True on every `probe_interval`-th such step in a row: then the row gets a
         single-draft probe whatever its rate, so that no rate stays where it does not pay for
         want of evidence (an engine whose first probes all failed observes nothing new
-        otherwise). One verified token in probe_interval steps is under 1% of them. An engine
-        that has verified no draft yet probes at once: cautious_rate() holds the prior's 0.5 to
-        0.21, which pays for no draft anywhere, so evidence must come from somewhere."""
+        otherwise). One verified token in probe_interval steps is under 1% of them. A request
+        without a verified draft of its own probes at once (prompt lookup: until it has a
+        match): from an engine rate under the step's price, a request that copies would
+        otherwise wait probe_interval steps, longer than many requests last (SmolLM2's json
+        after a copy workload's failed probes: 0.99x without a probe of its own, 2.00x with)."""
         decay = self._relax_decay_for(probe_cost)
         trials = self._trials.get(request_id, (0.0, 0.0))
         if trials[1]:
             self._trials[request_id] = _decayed(trials, decay)
         waited = self._waited.get(request_id, 0) + 1
         self._waited[request_id] = waited % self.probe_interval
-        return waited == self.probe_interval or not self._engine_trials[1]
+        return waited == self.probe_interval or request_id not in self._trials
 
     def _relax_decay_for(self, probe_cost: float) -> float:
         """relax_decay where a failed single-draft probe costs what prompt lookup's does (a third

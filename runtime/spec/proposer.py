@@ -16,7 +16,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class NgramConfig:
-    ngram_min: int = 1  # --ngram-min
+    ngram_min: int = 2  # --ngram-min
     ngram_max: int = 4  # --ngram-max
     num_speculative_tokens: int = 5  # --num-speculative-tokens: the largest k
 
