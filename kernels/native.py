@@ -5,8 +5,8 @@ once on first use. The build lives in ~/.cache/conveyor/kernels/<key>, the key c
 sources, torch's version and the CPU's instruction set (they are compiled for this CPU).
 CONVEYOR_NATIVE_KERNELS=0 turns them off: the torch references in kernels/reference.py, which are
 also their test oracle, run instead. CONVEYOR_NATIVE_MARCH (default native) compiles them for another
-instruction set the CPU runs, such as x86-64-v3 (AVX2 and FMA, no AVX-512): how a host with AVX-512
-tests and measures the AVX2 branches.
+instruction set the CPU runs, such as x86-64-v3 (AVX2 and FMA, no AVX-512), or "x86-64-v3 -mavxvnni"
+(AVX2 with AVX-VNNI): how a host with AVX-512 tests and measures the AVX2 branches.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ LIBRARY = "conveyor_cpu"
 
 
 def cflags() -> tuple[str, ...]:
-    march = os.environ.get("CONVEYOR_NATIVE_MARCH", "native")
-    return ("-O3", f"-march={march}", "-fopenmp", "-ffp-contract=fast")
+    """CONVEYOR_NATIVE_MARCH: -march's value, then any further flags ("x86-64-v3 -mavxvnni")."""
+    march, *extra = os.environ.get("CONVEYOR_NATIVE_MARCH", "native").split()
+    return ("-O3", f"-march={march}", *extra, "-fopenmp", "-ffp-contract=fast")
 
 
 def enabled() -> bool:

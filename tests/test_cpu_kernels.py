@@ -123,14 +123,27 @@ def test_every_file_the_build_reads_ships_in_the_package():
     "avx512f" not in native.cpu_flags(),
     reason="this host's own build is the AVX2 one: tested as is",
 )
-def test_the_avx2_kernels_are_their_oracle_on_a_host_with_avx512():
+@pytest.mark.parametrize(
+    "march",
+    [
+        "x86-64-v3",
+        pytest.param(
+            "x86-64-v3 -mavxvnni",
+            marks=pytest.mark.skipif(
+                "avx_vnni" not in native.cpu_flags(), reason="this CPU runs no AVX-VNNI"
+            ),
+        ),
+    ],
+)
+def test_the_avx2_kernels_are_their_oracle_on_a_host_with_avx512(march):
     """The build takes -march=native, so a host with AVX-512 compiles and runs only the AVX-512
     branches of kernels/cpu. This builds every source for AVX2 with FMA and F16C and no AVX-512
-    (x86-64-v3, CONVEYOR_NATIVE_MARCH) and runs the GGUF kernels' oracle tests on that build, in a
-    process of its own, so that a change here cannot break an AVX2 host unseen (one did: a helper
-    used before its declaration there)."""
+    (x86-64-v3, CONVEYOR_NATIVE_MARCH), then with AVX-VNNI too (Alder Lake's vpdpbusd on 256
+    bits), and runs the GGUF kernels' oracle tests on that build, in a process of its own, so
+    that a change here cannot break an AVX2 host unseen (one did: a helper used before its
+    declaration there)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env["CONVEYOR_NATIVE_MARCH"] = "x86-64-v3"
+    env["CONVEYOR_NATIVE_MARCH"] = march
     root = Path(native.__file__).resolve().parent.parent
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

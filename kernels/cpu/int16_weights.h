@@ -151,9 +151,14 @@ inline W16 q6_k_16(const uint8_t* b, int j) {
 }
 inline IntSum int_zero() { return _mm256_setzero_si256(); }
 inline IntSum dot_add(IntSum acc, W16 w, const int16_t* x) {
-  const __m256i low = _mm256_madd_epi16(w.low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  const __m256i high = _mm256_madd_epi16(w.high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
+  const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(acc, w.low, x_low), w.high, x_high);
+#else
+  const __m256i low = _mm256_madd_epi16(w.low, x_low), high = _mm256_madd_epi16(w.high, x_high);
   return _mm256_add_epi32(acc, _mm256_add_epi32(low, high));
+#endif
 }
 inline FloatSum float_zero() { return _mm256_setzero_ps(); }
 inline FloatSum convert_add(FloatSum acc, IntSum sum, float scale) {

@@ -1,6 +1,7 @@
 // quant_gemm_int8.cpp's vectors, per instruction set. A vector holds a 32-bit lane per row of x
 // (kLanes rows), 4 of the row's 8-bit codes a lane; 4 codes of a weight row are one broadcast.
 // - AVX-512 VNNI: 16 rows; vpdpbusd adds 4 products a lane into 32 bits.
+// - AVX-VNNI without AVX-512 (Alder Lake and later): 8 rows; vpdpbusd on 256 bits.
 // - AVX2: 8 rows; vpmaddubsw adds 2 products into 16 bits and saturates past 32767, so a chunk
 //   of kChunkSteps steps adds there only as far as the weights' largest code allows
 //   (2 * 127 * code a step), then vpmaddwd widens it into the 32-bit sums. Q8_0's codes stay
@@ -79,22 +80,33 @@ int32_t codes_of(const T* values, float inverse, int8_t codes[kLanes]) {
   return _mm512_reduce_add_epi32(ints);
 }
 
-#else  // AVX2 and FMA
+#else  // AVX2 and FMA (AVX-VNNI where present)
 
 constexpr int kLanes = 8;
-constexpr int kColumns = 4;  // 16 ymm registers: 4 sums, 4 chunks and 4 float sums, x, w
 constexpr int kRowBlocks = 1;
-constexpr bool kSignedQ8 = true;
 using Ints = __m256i;
 using Floats = __m256;
 
+inline Ints load_ints(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline Ints broadcast4(const uint8_t* p) { return _mm256_set1_epi32(four_at(p)); }
+
+#if defined(__AVXVNNI__)
+// AVX-VNNI (Alder Lake and later without AVX-512): vpdpbusd on 256 bits, as AVX-512's on 512
+constexpr int kColumns = 6;  // 6 sums, 6 float sums, x, w: 6 chains of vpdpbusd (4: output 19 ms, 6: 14)
+constexpr bool kSignedQ8 = false;
+template <int64_t kType>
+constexpr int kChunkSteps = kSubValues<kType> / 4;
+inline Ints chunk_start(Ints sums) { return sums; }
+inline Ints chunk_end(Ints, Ints chunk) { return chunk; }
+template <int64_t kType>
+inline Ints dot_step(Ints chunk, Ints w, Ints x) { return _mm256_dpbusd_avx_epi32(chunk, w, x); }
+#else
+constexpr int kColumns = 4;  // 16 ymm registers: 4 sums, 4 chunks and 4 float sums, x, w
+constexpr bool kSignedQ8 = true;
 template <int64_t kType>
 constexpr int kLargestCode = kType == Q8_0 ? 128 : kType == Q6_K ? 63 : kType == Q5_0 || kType == Q5_K ? 31 : 15;
 template <int64_t kType>
 constexpr int kChunkSteps = std::min(kSubValues<kType> / 4, 32767 / (2 * 127 * kLargestCode<kType>));
-
-inline Ints load_ints(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline Ints broadcast4(const uint8_t* p) { return _mm256_set1_epi32(four_at(p)); }
 inline Ints chunk_start(Ints) { return _mm256_setzero_si256(); }
 inline Ints chunk_end(Ints sums, Ints chunk) {
   return _mm256_add_epi32(sums, _mm256_madd_epi16(chunk, _mm256_set1_epi16(1)));
@@ -105,6 +117,7 @@ inline Ints dot_step(Ints chunk, Ints w, Ints x) {
     return _mm256_add_epi16(chunk, _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)));
   return _mm256_add_epi16(chunk, _mm256_maddubs_epi16(w, x));
 }
+#endif
 
 inline Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
 inline Floats load_floats(const uint16_t* p) {  // bfloat16 -> float32
