@@ -123,8 +123,8 @@ class EngineConfig(BaseModel):
         2,
         ge=1,
         description="prompt lookup: the shortest n-gram matched; default 2 (SmolLM2's drafts "
-        "after a one-token match were accepted 7-22% of the time, after two 75-87%, after four "
-        "96-97%: a verify row costs a quarter of a step, so one-token matches lose)",
+        "after a one-token match were accepted 7 to 22 times in 100, after two 75 to 87, after "
+        "four 96 to 97: a verify row costs a third of a step, so one-token matches lose)",
     )
     ngram_max: int = Field(4, ge=1, description="prompt lookup: the longest n-gram matched")
     draft_model: str | None = Field(

@@ -3,6 +3,7 @@ process and without a model."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -33,6 +34,21 @@ def serve_flag_dests() -> set[str]:
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.dest == "command")
     return {action.dest for action in subparsers.choices["serve"]._actions}
+
+
+def every_parser(parser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from every_parser(child)
+
+
+def test_every_commands_help_renders():
+    """argparse formats help with %: a description's "%" (a figure quoted in a flag's help)
+    broke `conveyor serve --help` with a TypeError."""
+    for parser in every_parser(build_parser()):
+        assert parser.format_help().startswith("usage: ")
 
 
 def test_every_setting_has_a_flag():
