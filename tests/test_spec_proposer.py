@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from runtime.spec.proposer import NgramConfig, NgramProposer
+from runtime.spec.proposer import NgramConfig, NgramProposer, TokenHistories, history_of
+from scheduler.request import Request
 
 
 def propose(history, k, ngram_min=1, ngram_max=3, cap=5):
@@ -81,3 +82,18 @@ def slow_lookup(history, n_min, n_max, k):
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         NgramConfig(*bad)
+
+
+def test_token_histories_follow_a_request_as_its_output_grows_and_goes_back():
+    request = Request("r", [5, 6, 7])
+    histories = TokenHistories()
+    for token in range(40):  # grown in place, past each buffer's capacity
+        request.output_token_ids.append(token)
+        assert histories.of(request).tolist() == history_of(request).tolist()
+    del request.output_token_ids[-10:]  # fewer tokens: rebuilt
+    assert histories.of(request).tolist() == history_of(request).tolist()
+    request.output_token_ids[-1] = 99  # its last token changed: rebuilt
+    request.output_token_ids.append(100)
+    assert histories.of(request).tolist() == history_of(request).tolist()
+    histories.release("r")
+    assert histories.of(Request("r", [1, 2])).tolist() == [1, 2]

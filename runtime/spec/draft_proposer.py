@@ -24,7 +24,7 @@ import torch
 
 from runtime.spec.draft_model import Chunk, DraftModel
 from runtime.spec.policy import NO_DRAFT_WORK, DraftCost, DraftWork
-from runtime.spec.proposer import NgramProposer, history_of
+from runtime.spec.proposer import NgramProposer, TokenHistories
 from scheduler.block_pool import chain_hashes
 from scheduler.request import Request
 
@@ -84,6 +84,7 @@ class DraftModelProposer:
         self.cost = cost if cost is not None else DraftCost()
         self.rows: dict[str, DraftRow] = {}  # request id -> its draft cache
         self.lookup = lookup  # prompt lookup tried first (--draft-prompt-lookup)
+        self.histories = TokenHistories()  # the rows' tokens for the lookup
 
     def propose_rows(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
         """requests[i] wants up to ks[i] drafts. -> drafts per row (empty: k = 0, or no room in
@@ -116,7 +117,7 @@ class DraftModelProposer:
         """The k tokens that followed an earlier occurrence of the row's last tokens, or None."""
         if self.lookup is None or k <= 0:
             return None
-        found = self.lookup.propose_one(history_of(request), k)
+        found = self.lookup.propose_one(self.histories.of(request), k)
         return found.tolist() if len(found) == k else None
 
     def _propose_with_model(
@@ -228,6 +229,7 @@ class DraftModelProposer:
 
     def release(self, request_id: str) -> None:
         """The request finished, was aborted or preempted: its draft blocks go back."""
+        self.histories.release(request_id)
         row = self.rows.pop(request_id, None)
         if row is not None:
             self.draft.pool.free(row.block_ids)

@@ -36,6 +36,43 @@ def history_of(request) -> np.ndarray:
     return np.array(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
 
 
+class TokenHistories:
+    """Each request's tokens as one int64 array, grown as its output grows: rebuilt from the
+    lists every step (history_of) it took 25 µs a row at 2,000 tokens and 95 µs at 8,000, where
+    the match itself takes 2-3 µs. A request whose last kept token no longer matches (its
+    output went back) is rebuilt."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[np.ndarray, int]] = {}  # id -> (buffer, tokens in it)
+
+    def of(self, request) -> np.ndarray:
+        buffer, length = self._rows.get(request.request_id, (None, 0))
+        total, num_prompt = request.num_tokens, len(request.prompt_token_ids)
+        if (
+            buffer is None
+            or not num_prompt < length <= total
+            or not self._still_holds(request, buffer, length)
+        ):
+            buffer, length = history_of(request), total
+        if total > length:
+            if total > buffer.shape[0]:
+                buffer = np.concatenate([buffer[:length], np.empty(total, dtype=np.int64)])
+            buffer[length:total] = request.output_token_ids[length - num_prompt :]
+        self._rows[request.request_id] = (buffer, total)
+        return buffer[:total]
+
+    @staticmethod
+    def _still_holds(request, buffer: np.ndarray, length: int) -> bool:
+        """The last token kept is still the request's at that place."""
+        return (
+            buffer[length - 1]
+            == request.output_token_ids[length - 1 - len(request.prompt_token_ids)]
+        )
+
+    def release(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+
+
 class NgramProposer:
     def __init__(self, config: NgramConfig):
         self.config = config

@@ -20,7 +20,7 @@ from runtime.spec.policy import (
     SpeculationPolicy,
     StepCostModel,
 )
-from runtime.spec.proposer import NgramConfig, NgramProposer, history_of
+from runtime.spec.proposer import NgramConfig, NgramProposer, TokenHistories
 from runtime.spec.stats import SpecDecodeStats
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, SamplingParams
@@ -58,16 +58,19 @@ class Proposer(Protocol):
 
 
 class PromptLookup:
-    """The n-gram proposer over requests: nothing kept per row."""
+    """The n-gram proposer over requests: each row's tokens kept as an array between steps."""
 
     def __init__(self, config: NgramConfig) -> None:
         self.ngram = NgramProposer(config)
+        self.histories = TokenHistories()
 
     def propose_rows(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
-        return [self.ngram.propose_one(history_of(r), k).tolist() for r, k in zip(requests, ks)]
+        return [
+            self.ngram.propose_one(self.histories.of(r), k).tolist() for r, k in zip(requests, ks)
+        ]
 
     def release(self, request_id: str) -> None:
-        pass
+        self.histories.release(request_id)
 
     def draft_work(self, request: Request) -> DraftWork:
         return NO_DRAFT_WORK
