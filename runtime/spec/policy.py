@@ -67,7 +67,7 @@ class StepCostModel:
         self.drafted: deque[tuple[int, int, float]] | None = (
             deque(maxlen=window) if keep_drafted_apart else None
         )
-        self._coefficients: np.ndarray | None = None
+        self._coefficients: tuple[float, float, float] | None = None
         self._since_fit = 0
 
     def observe(self, num_rows: int, num_tokens: int, seconds: float) -> None:
@@ -79,19 +79,21 @@ class StepCostModel:
     def is_fitted(self) -> bool:
         return len(self.samples) + len(self.drafted or ()) >= self.min_samples
 
-    def coefficients(self) -> np.ndarray:
-        """-> [c0, c_rows, c_tokens], none negative (a cost never falls as work grows)."""
+    def coefficients(self) -> tuple[float, float, float]:
+        """-> (c0, c_rows, c_tokens), none negative (a cost never falls as work grows); Python
+        floats, since predict() runs a few times a step."""
         if self._coefficients is None or self._since_fit >= REFIT_EVERY:
             measured = [*self.samples, *(self.drafted or ())]
             data = np.array(measured, dtype=np.float64)  # [num_samples, 3]
             design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
             fit, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
-            self._coefficients, self._since_fit = np.maximum(fit, 0.0), 0
+            c0, c_rows, c_tokens = np.maximum(fit, 0.0).tolist()
+            self._coefficients, self._since_fit = (c0, c_rows, c_tokens), 0
         return self._coefficients
 
     def predict(self, num_rows: int, num_tokens: int) -> float:
         c0, c_rows, c_tokens = self.coefficients()
-        return float(c0 + c_rows * num_rows + c_tokens * num_tokens)
+        return c0 + c_rows * num_rows + c_tokens * num_tokens
 
 
 class DraftCost:
