@@ -202,7 +202,7 @@ class AcceptanceTracker:
         token and its verify row: 0.98 of Qwen2.5-Coder-1.5B's step on a CPU) pays only where
         nearly every draft is accepted, and a few acceptances (a story's stock opening) are no
         evidence of that. Its first probe (one draft, probe_cap) explores at the mean. Prompt
-        lookup's drafts cost a verify row each, a quarter of a step: planned at the mean, so
+        lookup's drafts cost a verify row each, a third of SmolLM2's step: planned at the mean, so
         that a request probes from a low engine rate and ramps up as its drafts land (SmolLM2's
         json after a copy workload whose drafts failed: 1.70x at the mean, 0.99x cautious)."""
         if by_model and request_id in self._trials:
@@ -306,18 +306,19 @@ class SpeculationPolicy:
         ks = [0] * len(rows)
         if not rows or token_budget_left <= 0 or not self.cost.is_fitted:
             return ks
-        price = self._pricer(work)
-        rates = [
-            self.acceptance.planned_rate(row.request_id, by_model=price(i)[0] > 0.0)
-            for i, row in enumerate(rows)
-        ]
         caps = [min(self._cap(row), self.acceptance.probe_cap(row.request_id)) for row in rows]
-        # max-heap of each row's next draft's expected gain a^(k+1)
-        heap = [
-            (-rates[i], i)
+        may_draft = [
+            i
             for i, row in enumerate(rows)
-            if self.acceptance.rate(row.request_id) >= self.min_acceptance and caps[i]
+            if caps[i] and self.acceptance.rate(row.request_id) >= self.min_acceptance
         ]
+        price = self._pricer(work)  # asked of these rows only: a lookup, a catch-up count
+        rates = {
+            i: self.acceptance.planned_rate(rows[i].request_id, by_model=price(i)[0] > 0.0)
+            for i in may_draft
+        }
+        # max-heap of each row's next draft's expected gain a^(k+1)
+        heap = [(-rates[i], i) for i in may_draft]
         heapq.heapify(heap)
         expected = float(num_rows)  # each scheduled row yields one token without drafts
         best = expected / self.cost.predict(num_rows, num_tokens)
@@ -360,8 +361,8 @@ class SpeculationPolicy:
         def price(i: int) -> tuple[float, float]:
             if i not in priced:
                 row = work(i)
-                by_model = per_draft if row.by_model else 0.0
-                priced[i] = (by_model, row.catch_up_tokens * per_catch_up)
+                seconds_per_draft = per_draft if row.by_model else 0.0
+                priced[i] = (seconds_per_draft, row.catch_up_tokens * per_catch_up)
             return priced[i]
 
         return price
