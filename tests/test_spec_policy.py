@@ -3,8 +3,8 @@ acceptance is high and a token costs little next to a step; plus the stats count
 
 import pytest
 
+from runtime.spec.acceptance import AcceptanceTracker
 from runtime.spec.policy import (
-    AcceptanceTracker,
     DraftCost,
     DraftWork,
     RowCandidate,

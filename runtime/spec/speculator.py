@@ -9,11 +9,11 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from runtime.spec.acceptance import AcceptanceTracker
 from runtime.spec.draft_model import load_draft_model
 from runtime.spec.draft_proposer import DraftModelProposer
 from runtime.spec.policy import (
     NO_DRAFT_WORK,
-    AcceptanceTracker,
     DraftCost,
     DraftWork,
     RowCandidate,
