@@ -126,7 +126,9 @@ class EngineConfig(BaseModel):
         "after a one-token match were accepted 7 to 22 times in 100, after two 75 to 87, after "
         "four 96 to 97: a verify row costs a third of a step, so one-token matches lose)",
     )
-    ngram_max: int = Field(4, ge=1, description="prompt lookup: the longest n-gram matched")
+    ngram_max: int = Field(
+        32, ge=1, description="prompt lookup: the longest n-gram matched (it chooses among places)"
+    )
     draft_model: str | None = Field(
         None,
         description="--speculative draft: the draft model (HF dir, .gguf or a known name), "

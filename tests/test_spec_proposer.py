@@ -61,12 +61,31 @@ def test_a_batch_gets_one_draft_per_row():
     assert [d.tolist() for d in drafts] == [[2, 3], [], []]
 
 
-def test_a_long_history_matches_like_a_python_scan():
-    rng = np.random.default_rng(0)
-    history = rng.integers(0, 20, size=3000)
-    proposer = NgramProposer(NgramConfig(2, 4, 5))
-    got = proposer.propose_one(history, 5).tolist()
-    assert got == slow_lookup(history.tolist(), 2, 4, 5)
+@pytest.mark.parametrize("ngram_max", [2, 4, 32])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_long_history_matches_like_a_python_scan(seed, ngram_max):
+    rng = np.random.default_rng(seed)
+    # random tokens, then copies of earlier spans with a token changed here and there: ties of
+    # many tokens between places, as a copied text has
+    history = list(rng.integers(0, 20, size=1000))
+    for _ in range(40):
+        start, length = int(rng.integers(0, len(history) - 50)), int(rng.integers(5, 50))
+        span = history[start : start + length]
+        span[int(rng.integers(0, length))] = int(rng.integers(0, 20))
+        history += span
+    proposer = NgramProposer(NgramConfig(2, ngram_max, 5))
+    got = proposer.propose_one(np.array(history), 5).tolist()
+    assert got == slow_lookup(history, 2, ngram_max, 5)
+
+
+def test_the_default_ngram_max_finds_the_place_being_copied():
+    # two list items share the 4-gram [1, 2, 3, 4]; the output copies the first one (its
+    # [10, 11, 12] came before the 4-gram), so the second, more recent, would propose 60
+    source = [10, 11, 12, 1, 2, 3, 4, 50, 51, 20, 21, 22, 1, 2, 3, 4, 60, 61]
+    proposer = NgramProposer(NgramConfig())
+    copying = np.array(source + [7, 10, 11, 12, 1, 2, 3, 4])
+    assert proposer.propose_one(copying, 2).tolist() == [50, 51]
+    assert propose(copying.tolist(), k=2, ngram_min=2, ngram_max=4) == [60, 61]
 
 
 def slow_lookup(history, n_min, n_max, k):
