@@ -90,9 +90,6 @@ inline FloatSum float_zero() { return _mm512_setzero_ps(); }
 inline FloatSum convert_add(FloatSum acc, IntSum sum, float scale) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(scale), acc);
 }
-inline FloatSum scaled_add(FloatSum acc, FloatSum v, float scale) {
-  return _mm512_fmadd_ps(v, _mm512_set1_ps(scale), acc);
-}
 // acc's first 8 lanes + offsets * sums
 inline FloatSum add_offsets(FloatSum acc, __m256 offsets, __m256 sums) {
   return _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(offsets), _mm512_castps256_ps512(sums), acc, 0xFF);
@@ -163,9 +160,6 @@ inline IntSum dot_add(IntSum acc, W16 w, const int16_t* x) {
 inline FloatSum float_zero() { return _mm256_setzero_ps(); }
 inline FloatSum convert_add(FloatSum acc, IntSum sum, float scale) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(scale), acc);
-}
-inline FloatSum scaled_add(FloatSum acc, FloatSum v, float scale) {
-  return _mm256_fmadd_ps(v, _mm256_set1_ps(scale), acc);
 }
 inline FloatSum add_offsets(FloatSum acc, __m256 offsets, __m256 sums) { return _mm256_fmadd_ps(offsets, sums, acc); }
 inline float total(FloatSum v) {
