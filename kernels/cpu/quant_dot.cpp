@@ -207,7 +207,7 @@ void dot_band(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
 }
 
 // values of x sharing a step: a K-quant's block; for the others the most of 256, 128, 64 and 32
-// that divides a row (fewer steps to apply, about the same error: 1.5e-5 of the group's largest)
+// that divides a row (fewer steps to compute, about the same error: 1.5e-5 of the group's largest)
 template <int64_t kType>
 int64_t x_group(int64_t in) {
   if (kSubsPerBlock<kType> > 1) return 256;
