@@ -43,6 +43,7 @@ template <int64_t kType>
 constexpr int kChunkSteps = kSubValues<kType> / 4;  // a whole sub-block in 32 bits
 
 inline Ints load_ints(const void* p) { return _mm512_loadu_si512(p); }
+inline Ints in_register(Ints v) { return v; }
 inline Ints broadcast4(const uint8_t* p) { return _mm512_set1_epi32(four_at(p)); }
 // a chunk's products add straight onto the sub-block's sums
 inline Ints chunk_start(Ints sums) { return sums; }
@@ -100,6 +101,7 @@ inline Ints chunk_start(Ints sums) { return sums; }
 inline Ints chunk_end(Ints, Ints chunk) { return chunk; }
 template <int64_t kType>
 inline Ints dot_step(Ints chunk, Ints w, Ints x) { return _mm256_dpbusd_avx_epi32(chunk, w, x); }
+inline Ints in_register(Ints v) { return v; }
 #else
 constexpr int kColumns = 4;  // 16 ymm registers: 4 sums, 4 chunks and 4 float sums, x, w
 constexpr bool kSignedQ8 = true;
@@ -113,9 +115,17 @@ inline Ints chunk_end(Ints sums, Ints chunk) {
 }
 template <int64_t kType>
 inline Ints dot_step(Ints chunk, Ints w, Ints x) {
-  if constexpr (kType == Q8_0)
-    return _mm256_add_epi16(chunk, _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)));
-  return _mm256_add_epi16(chunk, _mm256_maddubs_epi16(w, x));
+  Ints sum = kType == Q8_0 ? _mm256_add_epi16(chunk, _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)))
+                           : _mm256_add_epi16(chunk, _mm256_maddubs_epi16(w, x));
+  // one add a step into its chain: else GCC reassociates a chunk's adds into a tree, runs all its
+  // vpmaddubsw first and spills their products
+  asm("" : "+x"(sum));
+  return sum;
+}
+// x's codes once in a register for every weight row: else each vpmaddubsw reloads them
+inline Ints in_register(Ints v) {
+  asm("" : "+x"(v));
+  return v;
 }
 #endif
 

@@ -189,7 +189,7 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
 #pragma GCC unroll 8
       for (int k = c; k < c + kChunk; k += 4) {
         Ints xv[RB];
-        for (int rb = 0; rb < RB; ++rb) xv[rb] = load_ints(xs + (rb * in + k) * kLanes);
+        for (int rb = 0; rb < RB; ++rb) xv[rb] = in_register(load_ints(xs + (rb * in + k) * kLanes));
         for (int j = 0; j < kColumns; ++j) {
           const Ints wv = broadcast4(ws + j * in + k);
           for (int rb = 0; rb < RB; ++rb) chunk[rb][j] = dot_step<kType>(chunk[rb][j], wv, xv[rb]);
