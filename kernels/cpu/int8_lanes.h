@@ -113,19 +113,18 @@ inline Ints chunk_start(Ints) { return _mm256_setzero_si256(); }
 inline Ints chunk_end(Ints sums, Ints chunk) {
   return _mm256_add_epi32(sums, _mm256_madd_epi16(chunk, _mm256_set1_epi16(1)));
 }
-template <int64_t kType>
-inline Ints dot_step(Ints chunk, Ints w, Ints x) {
-  Ints sum = kType == Q8_0 ? _mm256_add_epi16(chunk, _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)))
-                           : _mm256_add_epi16(chunk, _mm256_maddubs_epi16(w, x));
-  // one add a step into its chain: else GCC reassociates a chunk's adds into a tree, runs all its
-  // vpmaddubsw first and spills their products
-  asm("" : "+x"(sum));
-  return sum;
-}
-// x's codes once in a register for every weight row: else each vpmaddubsw reloads them
+// v in a register at this point: GCC neither folds its load into each instruction that uses it
+// (x's codes, reloaded for every weight row) nor reassociates sums through it (a chunk's adds
+// into a tree, all its vpmaddubsw first and their products spilled)
 inline Ints in_register(Ints v) {
   asm("" : "+x"(v));
   return v;
+}
+template <int64_t kType>
+inline Ints dot_step(Ints chunk, Ints w, Ints x) {
+  const Ints products = kType == Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+                                      : _mm256_maddubs_epi16(w, x);
+  return in_register(_mm256_add_epi16(chunk, products));  // one add a step into its chain
 }
 #endif
 
