@@ -184,30 +184,60 @@ def test_int8_tiles_row_does_not_depend_on_the_rows_beside_it(qtype):
 
 
 @needs_int8_tiles
-def test_bfloat16_rows_take_int8_tiles_in_prompt_steps_and_full_batches_unless_told_not_to():
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_dots_are_the_int8_tiles_bit_for_bit(qtype, dtype):
+    """quant_dot_int8 (few rows) and quant_gemm_int8 (many) round a row alike, so a decode row
+    comes out the same alone, beside its drafts or in a full batch. Ragged tiles of 8 weight
+    rows, passes of up to 4 rows of x, an all-zero group and an outlier."""
+    rng = np.random.default_rng(int(qtype) + 21)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    ops = native.native_ops()
+    for out_features, in_features in (
+        (29, block * (5 if block == 32 else 2)),
+        (301, 512),
+        (1, 256),
+    ):
+        blocks = torch.from_numpy(quantized(qtype, out_features, in_features, rng).copy())
+        x = torch.from_numpy(rng.standard_normal((9, in_features)).astype(np.float32)).to(dtype)
+        x[0, :32] = 0
+        x[-1, -3] = 40.0
+        args = (int(qtype), out_features, in_features)
+        for rows in (1, 2, 3, 4, 5, 9):
+            dots = ops.quant_dot_int8(x[:rows], blocks, *args)
+            assert dots.dtype == dtype and dots.shape == (rows, out_features)
+            assert torch.equal(dots, ops.quant_gemm_int8(x[:rows], blocks, *args)), (
+                rows,
+                out_features,
+            )
+
+
+@needs_int8_tiles
+def test_8_bit_rows_take_int8_dots_or_tiles_by_count_unless_told_not_to():
     rng = np.random.default_rng(11)
     blocks = quantized(Q.Q5_0, 40, 96, rng)
     linear = QuantizedLinear(blocks, Q.Q5_0, 40, 96)
-    int8 = native.native_ops().quant_gemm_int8
+    ops = native.native_ops()
 
-    def int8_of(x):
-        return int8(x, linear.blocks, int(Q.Q5_0), 40, 96)
+    def kernel_of(name, x):
+        return getattr(ops, name)(x, linear.blocks, int(Q.Q5_0), 40, 96)
 
     decode = torch.randn(cpu_kernels.INT8_DECODE_ROWS + 1, 96).bfloat16()
-    assert torch.equal(linear(decode), int8_of(decode))
-    few = decode[: cpu_kernels.INT8_DECODE_ROWS]  # a decode step this small: quant_dot
-    quant_dot = native.native_ops().quant_dot(few, linear.blocks, int(Q.Q5_0), 40, 96)
-    assert torch.equal(linear(few), quant_dot) and not torch.equal(quant_dot, int8_of(few))
-    with cpu_kernels.step_kind(has_prompt_rows=True):
-        assert torch.equal(linear(few), int8_of(few))
+    few = decode[: cpu_kernels.INT8_DECODE_ROWS]
+    assert torch.equal(linear(decode), kernel_of("quant_gemm_int8", decode))
+    assert torch.equal(linear(few), kernel_of("quant_dot_int8", few))
+    for has_prompt_rows, drafted_seqs in ((True, 0), (False, 1)):  # the same kernels
+        with cpu_kernels.step_kind(has_prompt_rows, drafted_seqs):
+            assert torch.equal(linear(few), kernel_of("quant_dot_int8", few))
+            assert torch.equal(linear(decode), kernel_of("quant_gemm_int8", decode))
     with cpu_kernels.step_kind(has_prompt_rows=False, int8_activations=False):  # dtype
-        assert cpu_kernels.integer_dot_rows() >= cpu_kernels.DECODE_ROWS
-        assert not torch.equal(linear(decode), int8_of(decode))
+        quant_dot = kernel_of("quant_dot", few)
+        assert torch.equal(linear(few), quant_dot)
+        assert not torch.equal(quant_dot, kernel_of("quant_dot_int8", few))
     if cpu_kernels.bf16_tiles():
         many = torch.randn(cpu_kernels.DECODE_ROWS + 1, 96).bfloat16()
-        tiles = native.native_ops().quant_gemm(many, linear.blocks, int(Q.Q5_0), 40, 96)
         with cpu_kernels.step_kind(has_prompt_rows=False, int8_activations=False):
-            assert torch.equal(linear(many), tiles)
+            assert torch.equal(linear(many), kernel_of("quant_gemm", many))
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
@@ -229,7 +259,7 @@ def test_linear_matches_dequantized_matmul(qtype, rows, dtype, tol):
     kernel = cpu_kernels.native_kernel(native.native_ops(), x)
     if kernel is not None and kernel.__name__ == "quant_dot":
         tol = max(tol, 2e-4)  # x in int16 per group: ~1e-5 of the largest output
-    if kernel is not None and kernel.__name__ == "quant_gemm_int8":
+    if kernel is not None and kernel.__name__ in ("quant_gemm_int8", "quant_dot_int8"):
         tol = max(tol, 2e-2)  # x in 8 bits per group
     scale = expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=tol * scale, rtol=tol)
@@ -307,7 +337,10 @@ def test_real_tensors_of_every_type_in_the_file():
         assert linear.blocks.data_ptr() == tensor.data.ctypes.data  # a view of the file, no copy
         expected = oracle(tensor.data, tensor.tensor_type, linear.out_features, linear.in_features)
         x = torch.randn(4, linear.in_features, generator=torch.Generator().manual_seed(1))
-        if cpu_kernels.integer_dots():
+        kernel = cpu_kernels.native_kernel(native.native_ops(), x)
+        if kernel is not None and kernel.__name__ == "quant_dot_int8":
+            x = rounded_to_int8_groups(x, tensor.tensor_type)  # as the kernel sees it
+        elif cpu_kernels.integer_dots():
             x = rounded_to_int16_groups(x, tensor.tensor_type)
         torch.testing.assert_close(linear(x), x @ expected.T, atol=1e-3, rtol=1e-3)
     assert checked == {Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q4_K}

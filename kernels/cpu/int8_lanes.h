@@ -1,4 +1,6 @@
-// quant_gemm_int8.cpp's vectors, per instruction set. A vector holds a 32-bit lane per row of x
+// quant_gemm_int8.cpp's vectors, per instruction set (and quant_dot_int8.cpp's dot32: 32 unsigned
+// weight codes times 32 of x's signed codes in one ymm each -> 8 int32 lanes, lane k the sum of
+// products 4k..4k+3; Q8_0's codes signed where kSignedQ8). A vector holds a 32-bit lane per row of x
 // (kLanes rows), 4 of the row's 8-bit codes a lane; 4 codes of a weight row are one broadcast.
 // - AVX-512 VNNI: 16 rows; vpdpbusd adds 4 products a lane into 32 bits.
 // - AVX-VNNI without AVX-512 (Alder Lake and later): 8 rows; vpdpbusd on 256 bits.
@@ -12,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "gguf_blocks.h"
 
@@ -23,6 +26,12 @@ using namespace conveyor_gguf;
 // values sharing a weight scale (Q6_K: 16)
 template <int64_t kType>
 constexpr int kSubValues = kType == Q6_K ? 16 : 32;
+
+constexpr int kGroup = 32;  // values of x sharing a step: a multiple of every type's sub-block
+
+// the sum of the values a sub-block of x's codes stands for (what a float offset multiplies):
+// one product of the exact integer sum, so every kernel and lane width gets the same float
+inline float sub_sum(float step, int32_t codes_sum) { return step * static_cast<float>(codes_sum); }
 
 inline int32_t four_at(const uint8_t* p) {
   int32_t four;
@@ -50,6 +59,8 @@ inline Ints chunk_start(Ints sums) { return sums; }
 inline Ints chunk_end(Ints, Ints chunk) { return chunk; }
 template <int64_t kType>
 inline Ints dot_step(Ints chunk, Ints w, Ints x) { return _mm512_dpbusd_epi32(chunk, w, x); }
+template <int64_t kType>
+inline __m256i dot32(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
 
 inline Floats load_floats(const float* p) { return _mm512_loadu_ps(p); }
 inline Floats load_floats(const uint16_t* p) {  // bfloat16 -> float32
@@ -101,6 +112,8 @@ inline Ints chunk_start(Ints sums) { return sums; }
 inline Ints chunk_end(Ints, Ints chunk) { return chunk; }
 template <int64_t kType>
 inline Ints dot_step(Ints chunk, Ints w, Ints x) { return _mm256_dpbusd_avx_epi32(chunk, w, x); }
+template <int64_t kType>
+inline __m256i dot32(__m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x); }
 inline Ints in_register(Ints v) { return v; }
 #else
 constexpr int kColumns = 4;  // 16 ymm registers: 4 sums, 4 chunks and 4 float sums, x, w
@@ -121,11 +134,15 @@ inline Ints in_register(Ints v) {
   return v;
 }
 template <int64_t kType>
-inline Ints dot_step(Ints chunk, Ints w, Ints x) {
-  const Ints products = kType == Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
-                                      : _mm256_maddubs_epi16(w, x);
-  return in_register(_mm256_add_epi16(chunk, products));  // one add a step into its chain
+inline Ints products_of(Ints w, Ints x) {  // adjacent pairs summed into 16 bits
+  return kType == Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
 }
+template <int64_t kType>
+inline Ints dot_step(Ints chunk, Ints w, Ints x) {
+  return in_register(_mm256_add_epi16(chunk, products_of<kType>(w, x)));  // one add a step into its chain
+}
+template <int64_t kType>
+inline __m256i dot32(__m256i w, __m256i x) { return _mm256_madd_epi16(products_of<kType>(w, x), _mm256_set1_epi16(1)); }
 #endif
 
 inline Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
@@ -169,6 +186,79 @@ int32_t codes_of(const T* values, float inverse, int8_t codes[kLanes]) {
 }
 
 #endif
+
+// w = scale * (u - kZeroPoint) + offset, u the unsigned code (Q8_0: q + 128, or q itself where
+// its codes stay signed); only Q4_1 and the Q4_K/Q5_K mins have a float offset
+template <int64_t kType>
+constexpr int kZeroPoint = kType == Q4_0   ? 8
+                           : kType == Q5_0 ? 16
+                           : kType == Q6_K ? 32
+                           : kType == Q8_0 ? (kSignedQ8 ? 0 : 128)
+                                           : 0;
+template <int64_t kType>
+constexpr bool kFloatOffset = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
+
+// fn(std::integral_constant<int64_t, type>{}) for each type the 8-bit kernels take
+template <typename Fn>
+void with_type(int64_t type, const char* op, Fn&& fn) {
+  switch (type) {
+    case Q4_0: return fn(std::integral_constant<int64_t, Q4_0>{});
+    case Q4_1: return fn(std::integral_constant<int64_t, Q4_1>{});
+    case Q5_0: return fn(std::integral_constant<int64_t, Q5_0>{});
+    case Q8_0: return fn(std::integral_constant<int64_t, Q8_0>{});
+    case Q4_K: return fn(std::integral_constant<int64_t, Q4_K>{});
+    case Q5_K: return fn(std::integral_constant<int64_t, Q5_K>{});
+    case Q6_K: return fn(std::integral_constant<int64_t, Q6_K>{});
+  }
+  TORCH_CHECK(false, op, ": no kernel for ggml type ", type);
+}
+
+// An 8-bit kernel's op: x float32 or bfloat16 [rows, in] -> y [rows, out] in x's dtype, through
+// run(type tag, x's data, rows, weight blocks, out, in, y's data) with bfloat16 as uint16_t
+template <typename Run>
+at::Tensor rows_times_blocks(const char* op, const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                             int64_t out, int64_t in, Run&& run) {
+  check_blocks(weight, row_bytes_of(type, in), out, op);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == in && in % 32 == 0 &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              op, ": x float32 or bfloat16 [rows, ", in, "], a multiple of 32");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), out}, xc.options());
+  if (x.size(0) == 0 || out == 0) return y;
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  with_type(type, op, [&](auto tag) {
+    if (x.scalar_type() == at::kFloat) {
+      run(tag, xc.data_ptr<float>(), x.size(0), w, out, in, y.data_ptr<float>());
+    } else {
+      run(tag, reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), x.size(0), w, out, in,
+          reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+    }
+  });
+  return y;
+}
+
+// One row of x [in] rounded to signed 8-bit codes q = round(x / step), step = max|x| / 127 per
+// kGroup values, the one rounding every 8-bit kernel takes (so that a row comes out of them bit
+// for bit alike): put(at, codes) for each kLanes codes from value `at`; done(sub, step, sum(q))
+// after each sub-block of sub_values, step its group's.
+template <typename T, typename Put, typename Done>
+void round_row(const T* x, int64_t in, int sub_values, Put&& put, Done&& done) {
+  for (int64_t g = 0; g < in / kGroup; ++g) {
+    const T* values = x + g * kGroup;
+    const float top = largest_magnitude(values, kGroup);
+    const float step = top / 127.f;
+    const float inverse = top > 0.f ? 127.f / top : 0.f;
+    for (int64_t first = 0; first < kGroup; first += sub_values) {
+      int32_t sum = 0;
+      for (int64_t k = first; k < first + sub_values; k += kLanes) {
+        int8_t codes[kLanes];
+        sum += codes_of(values + k, inverse, codes);
+        put(g * kGroup + k, codes);
+      }
+      done((g * kGroup + first) / sub_values, step, sum);
+    }
+  }
+}
 
 }  // namespace conveyor_int8
 #endif

@@ -29,22 +29,9 @@ namespace {
 #ifdef CONVEYOR_INT8_LANES
 using namespace conveyor_int8;
 
-constexpr int kGroup = 32;  // values of x sharing a step: a multiple of every type's sub-block
-
-// w = scale * (u - kZeroPoint) + offset, u the unsigned code (Q8_0: q + 128, or q itself where
-// its codes stay signed); only Q4_1 and the Q4_K/Q5_K mins have a float offset
-template <int64_t kType>
-constexpr int kZeroPoint = kType == Q4_0   ? 8
-                           : kType == Q5_0 ? 16
-                           : kType == Q6_K ? 32
-                           : kType == Q8_0 ? (kSignedQ8 ? 0 : 128)
-                                           : 0;
-template <int64_t kType>
-constexpr bool kFloatOffset = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
-
-// x [rows, in] as signed 8-bit codes q = round(x / step), step = max|x| / 127 per group of a row.
+// x [rows, in] as signed 8-bit codes (int8_lanes.h's round_row), a row a lane:
 // codes: [rows / kLanes (rounded up)][in / 4][kLanes rows][4 values], padding rows 0;
-// steps: [row blocks][in / group][kLanes];
+// steps: [row blocks][in / kGroup][kLanes];
 // starts: [row blocks][in / sub][kLanes] int32, -zero_point * sum(q) over each sub-block: where a
 // sub-block's integer sum starts; sums: the same, step * sum(q), the sum of the values x8 holds
 // (for the float offsets)
@@ -52,37 +39,31 @@ struct QuantizedRows {
   std::vector<int8_t> codes;
   std::vector<float> steps, sums;
   std::vector<int32_t> starts;
-  int64_t blocks = 0, group = 0;
+  int64_t blocks = 0;
 };
 
 template <typename T>
 void quantize_row(const T* x, int64_t r, int64_t in, int sub_values, int zero_point, QuantizedRows& q) {
-  const int64_t block = r / kLanes, lane = r % kLanes, groups = in / q.group, subs = in / sub_values;
+  const int64_t block = r / kLanes, lane = r % kLanes, groups = in / kGroup, subs = in / sub_values;
   int8_t* codes = q.codes.data() + block * in * kLanes + lane * 4;
-  for (int64_t g = 0; g < groups; ++g) {
-    const T* values = x + g * q.group;
-    const float top = largest_magnitude(values, q.group);
-    const float step = top / 127.f;
-    q.steps[(block * groups + g) * kLanes + lane] = step;
-    const float inverse = top > 0.f ? 127.f / top : 0.f;
-    for (int64_t k = 0; k < q.group; k += kLanes) {
-      int8_t part[kLanes];
-      const int32_t sum = codes_of(values + k, inverse, part);
-      const int64_t at = g * q.group + k, sub = (block * subs + at / sub_values) * kLanes + lane;
-      q.sums[sub] += step * static_cast<float>(sum);
-      q.starts[sub] -= zero_point * sum;
-      for (int i = 0; i < kLanes / 4; ++i) std::memcpy(codes + (at + 4 * i) * kLanes, part + 4 * i, 4);
-    }
-  }
+  round_row(
+      x, in, sub_values,
+      [&](int64_t at, const int8_t* part) {
+        for (int i = 0; i < kLanes / 4; ++i) std::memcpy(codes + (at + 4 * i) * kLanes, part + 4 * i, 4);
+      },
+      [&](int64_t sub, float step, int32_t sum) {
+        const int64_t at = (block * subs + sub) * kLanes + lane;
+        q.sums[at] = sub_sum(step, sum);
+        q.starts[at] = -zero_point * sum;
+        q.steps[(block * groups + sub * sub_values / kGroup) * kLanes + lane] = step;
+      });
 }
 
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t in, int64_t group, int sub_values, int zero_point,
-                   QuantizedRows& q) {
+void quantize_rows(const T* x, int64_t rows, int64_t in, int sub_values, int zero_point, QuantizedRows& q) {
   q.blocks = (rows + kLanes - 1) / kLanes;
-  q.group = group;
   q.codes.assign(q.blocks * in * kLanes, 0);
-  q.steps.assign(q.blocks * (in / group) * kLanes, 0.f);
+  q.steps.assign(q.blocks * (in / kGroup) * kLanes, 0.f);
   q.sums.assign(q.blocks * (in / sub_values) * kLanes, 0.f);
   q.starts.assign(q.blocks * (in / sub_values) * kLanes, 0);
   at::parallel_for(0, rows, kLanes, [&](int64_t begin, int64_t end) {  // a block's rows share lines
@@ -244,7 +225,7 @@ void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, 
   const int64_t row_bytes = row_bytes_of(kType, in), subs = in / kSub;
   thread_local QuantizedRows callers;  // reused: a hundred calls a step
   QuantizedRows& x = callers;           // the workers read the caller's, not their own
-  quantize_rows(xp, rows, in, kGroup, kSub, kZeroPoint<kType>, x);
+  quantize_rows(xp, rows, in, kSub, kZeroPoint<kType>, x);
   // each thread a run of weight rows, unpacked kColumns at a time just before they multiply: the
   // blocks stream from memory all along (unpacking a 256 KiB tile at once waited on memory)
   at::parallel_for(0, (out + kColumns - 1) / kColumns, 1, [&](int64_t begin, int64_t end) {
@@ -272,37 +253,10 @@ void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, 
   });
 }
 
-template <typename T>
-void gemm_of_type(int64_t type, const T* x, int64_t rows, const uint8_t* w, int64_t out, int64_t in, T* y) {
-  switch (type) {
-    case Q4_0: return gemm<Q4_0>(x, rows, w, out, in, y);
-    case Q4_1: return gemm<Q4_1>(x, rows, w, out, in, y);
-    case Q5_0: return gemm<Q5_0>(x, rows, w, out, in, y);
-    case Q8_0: return gemm<Q8_0>(x, rows, w, out, in, y);
-    case Q4_K: return gemm<Q4_K>(x, rows, w, out, in, y);
-    case Q5_K: return gemm<Q5_K>(x, rows, w, out, in, y);
-    case Q6_K: return gemm<Q6_K>(x, rows, w, out, in, y);
-  }
-  TORCH_CHECK(false, "quant_gemm_int8: no kernel for ggml type ", type);
-}
-
 at::Tensor quant_gemm_int8(const at::Tensor& x, const at::Tensor& weight, int64_t type, int64_t out, int64_t in) {
-  const int64_t row_bytes = row_bytes_of(type, in);
-  check_blocks(weight, row_bytes, out, "quant_gemm_int8");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == in && in % 32 == 0 &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "quant_gemm_int8: x float32 or bfloat16 [rows, ", in, "], a multiple of 32");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({x.size(0), out}, xc.options());
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  if (x.size(0) == 0 || out == 0) return y;
-  if (x.scalar_type() == at::kFloat) {
-    gemm_of_type(type, xc.data_ptr<float>(), x.size(0), w, out, in, y.data_ptr<float>());
-  } else {
-    gemm_of_type(type, reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), x.size(0), w, out, in,
-                 reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
-  }
-  return y;
+  return rows_times_blocks("quant_gemm_int8", x, weight, type, out, in, [](auto tag, auto... args) {
+    gemm<decltype(tag)::value>(args...);
+  });
 }
 
 bool quant_gemm_int8_available() { return true; }

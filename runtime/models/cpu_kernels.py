@@ -1,9 +1,10 @@
 """Which native CPU kernel multiplies a step's rows by GGUF weights (runtime/models/quant.py's
-QuantizedWeight asks): few rows kernels/cpu/quant_dot.cpp (integer dots, int16 activations) or
-quant_matmul.cpp (float); many rows quant_gemm_int8.cpp (8-bit activations, AVX-512 VNNI or
-AVX2) or, for bfloat16 rows, quant_gemm.cpp (bfloat16 tiles, AVX-512 BF16); else none (tiles
-dequantized for torch's matmul). The running step's kind (step_kind) decides with the row count,
-so that a row rounds the same way wherever the scheduler puts it."""
+QuantizedWeight asks). With 8-bit activations: few rows kernels/cpu/quant_dot_int8.cpp, many
+quant_gemm_int8.cpp (AVX-512 VNNI or AVX2), which round a row bit for bit alike. Otherwise: few
+rows quant_dot.cpp (integer dots, int16 activations) or quant_matmul.cpp (float); many rows, for
+bfloat16, quant_gemm.cpp (bfloat16 tiles, AVX-512 BF16); else none (tiles dequantized for
+torch's matmul). There the running step's kind (step_kind) decides with the row count, so that a
+row rounds the same way wherever the scheduler puts it."""
 
 from __future__ import annotations
 
@@ -17,10 +18,9 @@ from kernels.native import cpu_flags, native_ops
 
 DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel (one pass: kMaxRows with
 # AVX-512); more dequantize tiles (quant_gemm for bfloat16: at 4-6 rows it took 1.5-1.8x longer)
-INT8_DECODE_ROWS = 4  # the same where 8-bit activations take the rest: quant_gemm_int8 took
-# less from 5 rows, for Qwen 0.5B's layers at 5-6 rows 15.5 ms against quant_dot's 16.2-17.4 with
-# AVX-512 (bfloat16), 19.1 against 30.5-34.8 with AVX2 (float32); at 8-12 rows 25-27 ms where
-# the bfloat16 tiles took 40-45 (docs/benchmarks.md, 2026-11-27)
+INT8_DECODE_ROWS = 4  # at most this many 8-bit rows take quant_dot_int8, more quant_gemm_int8:
+# Qwen 0.5B's layer shapes at 4 rows 0.77 against 1.05 ms (AVX-512), 0.91 against 0.93 (AVX2),
+# at 5 rows 1.09 against 1.06 and 1.30 against 0.95 (docs/benchmarks.md, 2026-11-27, night)
 SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2) and 8-bit activations:
 # dequantizing a tile is scalar there, and quant_dot, a pass per 4 rows, stays faster up to
 # about 48 rows
@@ -42,6 +42,14 @@ def bf16_tiles() -> bool:
     there torch's matmul (oneDNN's AMX tiles) multiplies far faster than vdpbf16ps."""
     ops = native_ops()
     return ops is not None and ops.quant_gemm_available() and "amx_bf16" not in cpu_flags()
+
+
+@functools.cache
+def int8_dots() -> bool:
+    """Few 8-bit rows multiply in kernels/cpu/quant_dot_int8.cpp, bit for bit as
+    quant_gemm_int8 would (llama.cpp's vec_dot on Q8_0 activations), wherever that kernel runs."""
+    ops = native_ops()
+    return int8_tiles() and ops.quant_dot_int8_available()
 
 
 @functools.cache
@@ -74,7 +82,9 @@ _STEP = _StepKind()
 
 @contextmanager
 def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0, int8_activations: bool = True):
-    """While a step runs on this thread, its kind picks its quantized matmuls' kernel:
+    """While a step runs on this thread, its kind picks its quantized matmuls' kernel where its
+    activations are not 8-bit (8-bit rows take quant_dot_int8 or quant_gemm_int8 by their count
+    alone: the two round a row alike):
     - computing prompt tokens: the many-rows kernel for every row count, so that a prompt's
       rows round the same whether they come in one chunk or as the two or three tokens a
       prefix-cache hit leaves (the integer kernel rounds otherwise, and a greedy near-tie
@@ -92,10 +102,8 @@ def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0, int8_activations: bo
 
 
 def integer_dot_rows() -> int:
-    """At most this many rows (a decode step's sequences) run the few-rows kernel (quant_dot or
-    quant_matmul); more take quant_gemm_int8 where the step's activations are 8-bit."""
-    if int8_tiles() and _STEP.int8_activations:
-        return INT8_DECODE_ROWS
+    """Where activations are not 8-bit: at most this many rows (a decode step's sequences) run
+    the few-rows kernel (quant_dot or quant_matmul)."""
     return DECODE_ROWS if vector_dequantize() else SCALAR_DEQUANTIZE_DECODE_ROWS
 
 
@@ -109,25 +117,17 @@ def few_rows_step(rows: int) -> bool:
     return _counted_rows(rows) <= integer_dot_rows() and not _STEP.has_prompt_rows
 
 
-def int8_rows_step(rows: int) -> bool:
-    """The running step's quantized matmuls of `rows` rows take quant_gemm_int8: every
-    prompt step (a prompt's rows round the same in any chunk), and decode steps of more than
-    integer_dot_rows() sequences; never with --quantized-activations dtype."""
-    full_batch = _counted_rows(rows) > integer_dot_rows()
-    return _STEP.int8_activations and (_STEP.has_prompt_rows or full_batch)
-
-
 def native_kernel(ops, rows: torch.Tensor):
     """The native op that multiplies these rows in the running step, or None (tiles dequantized
     for torch's matmul)."""
     if ops is None:
         return None
+    if int8_dots() and _STEP.int8_activations and rows.dtype in (torch.float32, torch.bfloat16):
+        # the two 8-bit kernels round a row alike: the row count alone picks the faster
+        few = rows.shape[0] <= INT8_DECODE_ROWS
+        return ops.quant_dot_int8 if few else ops.quant_gemm_int8
     if few_rows_step(rows.shape[0]):
         return ops.quant_dot if integer_dots() else ops.quant_matmul
-    if rows.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if int8_tiles() and int8_rows_step(rows.shape[0]):
-        return ops.quant_gemm_int8
     return ops.quant_gemm if bf16_tiles() and rows.dtype == torch.bfloat16 else None
 
 
