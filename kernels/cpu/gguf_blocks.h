@@ -242,9 +242,11 @@ struct Ahead {
   const uint8_t* bytes = nullptr;
   int64_t size = 0;
 
-  // share `part` of `parts`, into L1 or else L2
-  void fetch_share(int64_t part, int64_t parts, bool into_l1 = true) const {
-    const int64_t share = (size / parts + 64) & ~int64_t{63};
+  // bytes a share of `parts` takes, whole lines (a division: once a loop, not once a share)
+  int64_t share_of(int64_t parts) const { return (size / parts + 64) & ~int64_t{63}; }
+
+  // the `part`th `share` bytes
+  void fetch_part(int64_t part, int64_t share, bool into_l1) const {
     for (int64_t at = part * share; at < std::min(size, (part + 1) * share); at += 64) {
       const char* line = reinterpret_cast<const char*>(bytes + at);
       into_l1 ? _mm_prefetch(line, _MM_HINT_T0) : _mm_prefetch(line, _MM_HINT_T1);

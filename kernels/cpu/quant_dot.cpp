@@ -131,6 +131,7 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
   // the speed of one: the next group's rows (contiguous) are fetched at the pace this one is read
   const Ahead next_group{w + (o0 + kOut) * row_bytes, kOut * row_bytes};
   const bool fits_l1 = next_group.size <= 16384;
+  const int64_t share = next_group.share_of(subs / kChunk);
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
       BlockHeader h[kOut];
@@ -139,7 +140,7 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
         for (int i = 0; i < kOut; ++i) q4_1_m[i * xq.sums_stride + b] = half_at(rows[i] + b * kBlockBytes<kType> + 2);
       for (int c = 0; c < kSubs; c += kChunk) {
         const int64_t s = b * kSubs + c;  // the chunk's first sub-block in the row
-        next_group.fetch_share(s / kChunk, subs / kChunk, fits_l1);
+        next_group.fetch_part(s / kChunk, share, fits_l1);
 #pragma GCC unroll 8
         for (int i = 0; i < kOut; ++i) {
           W16 wv[kChunk];

@@ -171,9 +171,11 @@ void tile_rows(const uint8_t* const rows[kTile], const PlainRows& x, int64_t r0,
                __m256 y[R]) {
   constexpr int kSubs = kSubsPerBlock<kType>;
   const int64_t blocks = in / (32 * kSubs), subs = in / kSubValues<kType>, groups = in / kGroup;
-  for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+  __m256 sum[R];  // in registers: written through y they were stored every sub-block
+  for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
+  const int64_t share = ahead.size ? ahead.share_of(blocks) : 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    if (ahead.size) ahead.fetch_share(b, blocks, ahead.size <= 16384);  // into L1 where it fits
+    if (share) ahead.fetch_part(b, share, ahead.size <= 16384);  // into L1 where it fits
     TileScales<kType> t;
     scales_of<kType>(rows, b * kBlockBytes<kType>, t);
     for (int j = 0; j < kSubs; ++j) {
@@ -192,16 +194,17 @@ void tile_rows(const uint8_t* const rows[kTile], const PlainRows& x, int64_t r0,
         const float step = x.steps[(r0 + r) * groups + s32];
         const int32_t* starts = x.starts.data() + (r0 + r) * subs;
         if constexpr (kType == Q6_K) {  // two scales of 16 values each
-          y[r] = add_part(y[r], low, starts[2 * s32], step, t.scales[2 * j]);
-          y[r] = add_part(y[r], high, starts[2 * s32 + 1], step, t.scales[2 * j + 1]);
+          sum[r] = add_part(sum[r], low, starts[2 * s32], step, t.scales[2 * j]);
+          sum[r] = add_part(sum[r], high, starts[2 * s32 + 1], step, t.scales[2 * j + 1]);
         } else {
-          y[r] = add_part(y[r], _mm256_add_epi32(low, high), starts[s32], step, t.scales[j]);
+          sum[r] = add_part(sum[r], _mm256_add_epi32(low, high), starts[s32], step, t.scales[j]);
           if constexpr (kFloatOffset<kType>)
-            y[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sums[(r0 + r) * subs + s32]), t.offsets[j], y[r]);
+            sum[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sums[(r0 + r) * subs + s32]), t.offsets[j], sum[r]);
         }
       }
     }
   }
+  for (int r = 0; r < R; ++r) y[r] = sum[r];
 }
 
 inline void store_row(__m256 y, int valid, float* dst) {

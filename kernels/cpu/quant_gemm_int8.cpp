@@ -154,8 +154,9 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
   for (int rb = 0; rb < RB; ++rb)
     for (int j = 0; j < kColumns; ++j) y[rb][j] = zero_floats();
   const uint8_t* w = tile.codes.data();
+  const int64_t share = ahead.size ? ahead.share_of(subs) : 0;
   for (int64_t s = 0; s < subs; ++s) {
-    ahead.fetch_share(s, subs);
+    if (share) ahead.fetch_part(s, share, true);
     Ints sums[RB][kColumns];
     for (int rb = 0; rb < RB; ++rb) {
       const Ints start = load_ints(x.starts.data() + ((b0 + rb) * subs + s) * kLanes);
