@@ -39,7 +39,13 @@ SOURCES = tuple(
 )
 HEADERS = tuple(
     Path(__file__).parent / "cpu" / name
-    for name in ("gguf_blocks.h", "int16_weights.h", "int8_lanes.h", "quantized_rows.h")
+    for name in (
+        "gguf_blocks.h",
+        "int16_weights.h",
+        "int8_lanes.h",
+        "quantized_rows.h",
+        "transpose8.h",
+    )
 )
 LIBRARY = "conveyor_cpu"
 

@@ -25,9 +25,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
+#include "transpose8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -84,22 +82,10 @@ inline v8 load8(const at::BFloat16* p) {  // bfloat16 -> float32: the bits, 16 p
 template <typename T>
 inline void transpose_8x8(const T* w, int64_t hidden_size, int64_t h0, float* out, int64_t stride) {
 #if defined(__AVX__)
-  __m256 r[8], t[8];
+  __m256 r[8];
   for (int j = 0; j < 8; ++j) r[j] = (__m256)load8(w + j * hidden_size + h0);
-  for (int j = 0; j < 8; j += 2) {
-    t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
-    t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
-  }
-  for (int j = 0; j < 8; j += 4) {
-    r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
-    r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
-    r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
-    r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
-  }
-  for (int j = 0; j < 4; ++j) {
-    _mm256_storeu_ps(out + j * stride, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
-    _mm256_storeu_ps(out + (j + 4) * stride, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
-  }
+  conveyor_transpose::transpose8(r);
+  for (int h = 0; h < 8; ++h) _mm256_storeu_ps(out + h * stride, r[h]);
 #else
   for (int j = 0; j < 8; ++j)
     for (int h = 0; h < 8; ++h) out[h * stride + j] = to_float(w[j * hidden_size + h0 + h]);

@@ -24,11 +24,13 @@
 #include <vector>
 
 #include "int8_lanes.h"
+#include "transpose8.h"
 
 namespace {
 
 #ifdef CONVEYOR_INT8_LANES
 using namespace conveyor_int8;
+using conveyor_transpose::transpose8;
 
 constexpr int kTile = 8;  // weight rows side by side: a float lane each
 
@@ -84,25 +86,6 @@ inline void sum_halves(const __m256i v[kTile], __m256i& low, __m256i& high) {
   const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
   low = _mm256_permute2x128_si256(u0, u1, 0x20);
   high = _mm256_permute2x128_si256(u0, u1, 0x31);
-}
-
-// rows i = 0..7 of v become its columns
-inline void transpose8(__m256 v[8]) {
-  __m256 t[8], s[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
-    v[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
-  }
 }
 
 // the two half-precision values `at` bytes into each of the tile's rows (a block's d, and Q4_1's
