@@ -53,7 +53,7 @@ const PlainRows& quantize_plain(const T* x, int64_t rows, int64_t in, int sub_va
   for (int64_t r = 0; r < rows; ++r)
     round_row(
         x + r * in, in, sub_values,
-        [&](int64_t at, const int8_t* codes) { std::memcpy(q.codes.data() + r * in + at, codes, kLanes); },
+        [&](int64_t at, const int8_t* codes) { std::memcpy(q.codes.data() + r * in + at, codes, kRoundValues); },
         [&](int64_t sub, float step, int32_t sum) {
           q.sums[r * subs + sub] = sub_sum(step, sum);
           q.starts[r * subs + sub] = -zero_point * sum;

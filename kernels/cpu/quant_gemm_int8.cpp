@@ -8,7 +8,8 @@
 // Why: vpdpbusd does 64 products a cycle where vdpbf16ps does 32 (one zmm each a cycle on the
 // AMD EPYC of docs/benchmarks.md): quant_gemm.cpp's bfloat16 tiles ran at 80-95% of their peak.
 // On AVX2, vpmaddubsw does 32 where an FMA does 8, and weights need no widening to 16 bits.
-// x is quantized once a call, a row a lane of a vector (int8_lanes.h: 16 rows with AVX-512, 8
+// x is quantized once a call, a row a lane of a vector (int8_lanes.h: 16 rows with AVX-512, or 8
+// in ymm lanes where a call has 8 rows or fewer, a verify step or a small batch: 1.25x; 8
 // with AVX2), so that 4 codes of a weight row are one broadcast and no weights are transposed.
 // Each thread takes a run of weight rows, kColumns at a time: unpacked to their codes (in L1),
 // then multiplied by every row of x, kRowBlocks row blocks a step (AVX-512: 6 weight rows and 2
@@ -42,14 +43,15 @@ struct QuantizedRows {
   int64_t blocks = 0;
 };
 
-template <typename T>
+template <typename L, typename T>
 void quantize_row(const T* x, int64_t r, int64_t in, int sub_values, int zero_point, QuantizedRows& q) {
+  constexpr int kLanes = L::kLanes;
   const int64_t block = r / kLanes, lane = r % kLanes, groups = in / kGroup, subs = in / sub_values;
   int8_t* codes = q.codes.data() + block * in * kLanes + lane * 4;
   round_row(
       x, in, sub_values,
       [&](int64_t at, const int8_t* part) {
-        for (int i = 0; i < kLanes / 4; ++i) std::memcpy(codes + (at + 4 * i) * kLanes, part + 4 * i, 4);
+        for (int i = 0; i < kRoundValues / 4; ++i) std::memcpy(codes + (at + 4 * i) * kLanes, part + 4 * i, 4);
       },
       [&](int64_t sub, float step, int32_t sum) {
         const int64_t at = (block * subs + sub) * kLanes + lane;
@@ -59,15 +61,16 @@ void quantize_row(const T* x, int64_t r, int64_t in, int sub_values, int zero_po
       });
 }
 
-template <typename T>
+template <typename L, typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t in, int sub_values, int zero_point, QuantizedRows& q) {
+  constexpr int kLanes = L::kLanes;
   q.blocks = (rows + kLanes - 1) / kLanes;
   q.codes.assign(q.blocks * in * kLanes, 0);
   q.steps.assign(q.blocks * (in / kGroup) * kLanes, 0.f);
   q.sums.assign(q.blocks * (in / sub_values) * kLanes, 0.f);
   q.starts.assign(q.blocks * (in / sub_values) * kLanes, 0);
   at::parallel_for(0, rows, kLanes, [&](int64_t begin, int64_t end) {  // a block's rows share lines
-    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * in, r, in, sub_values, zero_point, q);
+    for (int64_t r = begin; r < end; ++r) quantize_row<L>(x + r * in, r, in, sub_values, zero_point, q);
   });
 }
 
@@ -145,21 +148,24 @@ void unpack_row(const uint8_t* wrow, int64_t in, int64_t o, Tile& tile) {
 // blocks. Registers (AVX-512): 12 integer chains and 12 float sums (RB 2); the group of x's steps
 // and the sub-block are compile-time (a division by a run-time group was two idivs a sub-block),
 // and each sub-block adds straight into the float sums (a second set of 12 partial sums spilled)
-template <int64_t kType, int RB, typename T>
+template <typename L, int64_t kType, int RB, typename T>
 void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t in, const Ahead& ahead,
-                   T out[RB][kColumns][kLanes]) {
+                   T out[RB][L::kColumns][L::kLanes]) {
+  using Ints = typename L::Ints;
+  using Floats = typename L::Floats;
+  constexpr int kLanes = L::kLanes, kColumns = L::kColumns;
   constexpr int kSub = kSubValues<kType>, kSubsPerGroup = kGroup / kSub, kChunk = 4 * kChunkSteps<kType>;
   const int64_t subs = in / kSub, groups = in / kGroup;
   Floats y[RB][kColumns];
   for (int rb = 0; rb < RB; ++rb)
-    for (int j = 0; j < kColumns; ++j) y[rb][j] = zero_floats();
+    for (int j = 0; j < kColumns; ++j) y[rb][j] = L::zero_floats();
   const uint8_t* w = tile.codes.data();
   const int64_t share = ahead.size ? ahead.share_of(subs) : 0;
   for (int64_t s = 0; s < subs; ++s) {
     if (share) ahead.fetch_part(s, share, true);
     Ints sums[RB][kColumns];
     for (int rb = 0; rb < RB; ++rb) {
-      const Ints start = load_ints(x.starts.data() + ((b0 + rb) * subs + s) * kLanes);
+      const Ints start = L::load_ints(x.starts.data() + ((b0 + rb) * subs + s) * kLanes);
       for (int j = 0; j < kColumns; ++j) sums[rb][j] = start;
     }
     const int8_t* xs = x.codes.data() + (b0 * in + s * kSub) * kLanes;
@@ -167,45 +173,45 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
     for (int c = 0; c < kSub; c += kChunk) {
       Ints chunk[RB][kColumns];
       for (int rb = 0; rb < RB; ++rb)
-        for (int j = 0; j < kColumns; ++j) chunk[rb][j] = chunk_start(sums[rb][j]);
+        for (int j = 0; j < kColumns; ++j) chunk[rb][j] = L::chunk_start(sums[rb][j]);
 #pragma GCC unroll 8
       for (int k = c; k < c + kChunk; k += 4) {
         Ints xv[RB];
-        for (int rb = 0; rb < RB; ++rb) xv[rb] = in_register(load_ints(xs + (rb * in + k) * kLanes));
+        for (int rb = 0; rb < RB; ++rb) xv[rb] = L::in_register(L::load_ints(xs + (rb * in + k) * kLanes));
         for (int j = 0; j < kColumns; ++j) {
-          const Ints wv = broadcast4(ws + j * in + k);
-          for (int rb = 0; rb < RB; ++rb) chunk[rb][j] = dot_step<kType>(chunk[rb][j], wv, xv[rb]);
+          const Ints wv = L::broadcast4(ws + j * in + k);
+          for (int rb = 0; rb < RB; ++rb) chunk[rb][j] = L::template dot_step<kType>(chunk[rb][j], wv, xv[rb]);
         }
       }
       for (int rb = 0; rb < RB; ++rb)
-        for (int j = 0; j < kColumns; ++j) sums[rb][j] = chunk_end(sums[rb][j], chunk[rb][j]);
+        for (int j = 0; j < kColumns; ++j) sums[rb][j] = L::chunk_end(sums[rb][j], chunk[rb][j]);
     }
     const int64_t g = s / kSubsPerGroup;
     for (int rb = 0; rb < RB; ++rb) {
-      const Floats step = load_floats(x.steps.data() + ((b0 + rb) * groups + g) * kLanes);
+      const Floats step = L::load_floats(x.steps.data() + ((b0 + rb) * groups + g) * kLanes);
       for (int j = 0; j < kColumns; ++j)
-        y[rb][j] = fmadd(mul(floats_of(sums[rb][j]), step), splat(tile.scales[j * subs + s]), y[rb][j]);
+        y[rb][j] = L::fmadd(L::mul(L::floats_of(sums[rb][j]), step), L::splat(tile.scales[j * subs + s]), y[rb][j]);
     }
     if constexpr (kFloatOffset<kType>) {
       for (int rb = 0; rb < RB; ++rb) {
-        const Floats offsets = load_floats(x.sums.data() + ((b0 + rb) * subs + s) * kLanes);
-        for (int j = 0; j < kColumns; ++j) y[rb][j] = fmadd(offsets, splat(tile.offsets[j * subs + s]), y[rb][j]);
+        const Floats offsets = L::load_floats(x.sums.data() + ((b0 + rb) * subs + s) * kLanes);
+        for (int j = 0; j < kColumns; ++j) y[rb][j] = L::fmadd(offsets, L::splat(tile.offsets[j * subs + s]), y[rb][j]);
       }
     }
   }
   for (int rb = 0; rb < RB; ++rb)
-    for (int j = 0; j < kColumns; ++j) store_lanes(y[rb][j], out[rb][j]);
+    for (int j = 0; j < kColumns; ++j) L::store_lanes(y[rb][j], out[rb][j]);
 }
 
 // y[rows, out] of the tile's `count` weight rows, from o0
-template <int64_t kType, int RB, typename T>
+template <typename L, int64_t kType, int RB, typename T>
 void store_blocks(const QuantizedRows& x, int64_t b0, const Tile& tile, const Ahead& ahead, int64_t count, int64_t in,
                   int64_t rows, T* y, int64_t out, int64_t o0) {
-  T results[RB][kColumns][kLanes];
-  block_product<kType, RB>(x, b0, tile, in, ahead, results);
+  T results[RB][L::kColumns][L::kLanes];
+  block_product<L, kType, RB>(x, b0, tile, in, ahead, results);
   for (int rb = 0; rb < RB; ++rb) {
-    for (int lane = 0; lane < kLanes; ++lane) {
-      const int64_t r = (b0 + rb) * kLanes + lane;
+    for (int lane = 0; lane < L::kLanes; ++lane) {
+      const int64_t r = (b0 + rb) * L::kLanes + lane;
       if (r >= rows) break;
       for (int j = 0; j < count; ++j) y[r * out + o0 + j] = results[rb][j][lane];
     }
@@ -220,13 +226,13 @@ __attribute__((noinline)) Tile& worker_tile() {
   return tile;
 }
 
-template <int64_t kType, typename T>
-void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, T* yp) {
-  constexpr int kSub = kSubValues<kType>;
+template <typename L, int64_t kType, typename T>
+void gemm_in(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, T* yp) {
+  constexpr int kSub = kSubValues<kType>, kColumns = L::kColumns;
   const int64_t row_bytes = row_bytes_of(kType, in), subs = in / kSub;
   thread_local QuantizedRows callers;  // reused: a hundred calls a step
   QuantizedRows& x = callers;           // the workers read the caller's, not their own
-  quantize_rows(xp, rows, in, kSub, kZeroPoint<kType>, x);
+  quantize_rows<L>(xp, rows, in, kSub, kZeroPoint<kType>, x);
   // each thread a run of weight rows, unpacked kColumns at a time just before they multiply: the
   // blocks stream from memory all along (unpacking a 256 KiB tile at once waited on memory)
   at::parallel_for(0, (out + kColumns - 1) / kColumns, 1, [&](int64_t begin, int64_t end) {
@@ -245,13 +251,22 @@ void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, 
       const int64_t next = std::min(out, o0 + kColumns);
       const Ahead ahead{w + next * row_bytes, (std::min(out, next + kColumns) - next) * row_bytes};
       int64_t b = 0;
-      if constexpr (kRowBlocks == 2)
+      if constexpr (L::kRowBlocks == 2)
         for (; b + 2 <= x.blocks; b += 2)
-          store_blocks<kType, 2>(x, b, tile, b == 0 ? ahead : Ahead{}, count, in, rows, yp, out, o0);
+          store_blocks<L, kType, 2>(x, b, tile, b == 0 ? ahead : Ahead{}, count, in, rows, yp, out, o0);
       for (; b < x.blocks; ++b)
-        store_blocks<kType, 1>(x, b, tile, b == 0 ? ahead : Ahead{}, count, in, rows, yp, out, o0);
+        store_blocks<L, kType, 1>(x, b, tile, b == 0 ? ahead : Ahead{}, count, in, rows, yp, out, o0);
     }
   });
+}
+
+// with AVX-512, up to 8 rows in ymm lanes: bit for bit the zmm lanes' results, at about twice the rate
+template <int64_t kType, typename T>
+void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, T* yp) {
+#ifdef CONVEYOR_INT8_ZMM
+  if (rows <= Ymm::kLanes) return gemm_in<Ymm, kType>(xp, rows, w, out, in, yp);
+#endif
+  gemm_in<Widest, kType>(xp, rows, w, out, in, yp);
 }
 
 at::Tensor quant_gemm_int8(const at::Tensor& x, const at::Tensor& weight, int64_t type, int64_t out, int64_t in) {
