@@ -182,7 +182,7 @@ def register(sub) -> None:
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help="as `conveyor serve`'s (default: 8 for ngram, 5 for draft)",
+        help="as `conveyor serve`'s (default: 8 for ngram, 7 for draft)",
     )
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request")

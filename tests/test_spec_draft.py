@@ -8,11 +8,12 @@ model drafting for itself through preemptions; a draft with another tokenizer re
 from __future__ import annotations
 
 import pytest
+import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.models import catalog
-from runtime.spec.draft_model import DraftTokenizerMismatch
+from runtime.spec.draft_model import Chunk, DraftTokenizerMismatch, prepare_draft_attention
 from runtime.spec.draft_proposer import DraftModelProposer
 from runtime.spec.policy import DraftCost, DraftWork, FixedK
 from runtime.spec.proposer import NgramConfig, NgramProposer
@@ -333,3 +334,31 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start(tiny_model_dir, draf
     )  # fmt: skip
     with pytest.raises(DraftTokenizerMismatch, match="does not share the target model's tok"):
         Engine(config)
+
+
+def test_a_short_chunk_runs_as_decode_queries_and_sees_what_a_prefill_sees(tiny):
+    """A chunk of at most DECODE_QUERY_TOKENS new tokens (a catch-up after a round whose drafts
+    all landed) runs a decode query per token, each attending to its own position and the ones
+    before it; a longer chunk runs as a prefill. Both leave the same cache and the same token."""
+    draft = tiny.speculator.proposer.draft
+    tokens = torch.tensor([5 + (7 * i) % 40 for i in range(12)])
+    short = prepare_draft_attention([Chunk([0, 1], 9, 3)], draft.block_size, torch.device("cpu"))
+    attn, positions, last = short
+    assert attn.num_decode_tokens == 3 and attn.num_prefill_seqs == 0
+    assert attn.decode_seq_lens.tolist() == [10, 11, 12] and positions.tolist() == [9, 10, 11]
+    assert last.tolist() == [2]
+    long = prepare_draft_attention([Chunk([0, 1], 0, 12)], draft.block_size, torch.device("cpu"))
+    assert long[0].num_decode_tokens == 0 and long[0].prefill_seq_lens.tolist() == [12]
+    needed = -(-12 // draft.block_size)
+    whole, split = ([draft.pool.take() for _ in range(needed)] for _ in range(2))
+    try:
+        at_once = draft.greedy_next(tokens, [Chunk(whole, 0, 12)])
+        draft.greedy_next(tokens[:9], [Chunk(split, 0, 9)])
+        in_two = draft.greedy_next(tokens[9:], [Chunk(split, 9, 3)])
+        assert torch.equal(at_once, in_two)
+        for cache in draft.k_caches + draft.v_caches:  # [blocks, block_size, heads, head_dim]
+            got, expected = (cache[blocks].flatten(0, 1)[:12] for blocks in (split, whole))
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        draft.pool.free(whole + split)
+    assert draft.pool.num_free_blocks == draft.pool.num_blocks

@@ -269,11 +269,12 @@ def test_the_step_cost_is_learned_from_decode_steps_only(tiny_model_dir):
 
 @pytest.mark.parametrize(
     ("speculative", "given", "expected"),
-    [("ngram", None, 8), ("draft", None, 5), ("off", None, 5), ("ngram", 3, 3), ("draft", 12, 12)],
+    [("ngram", None, 8), ("draft", None, 7), ("off", None, 7), ("ngram", 3, 3), ("draft", 12, 12)],
 )
 def test_the_largest_k_defaults_by_proposer(speculative, given, expected):
     """Prompt lookup's drafts cost nothing to propose: it may verify up to 8 (json at one stream
-    went from 1.93-1.97x to 2.1-2.3x); a draft model's cost a forward pass each: 5."""
+    went from 1.93-1.97x to 2.1-2.3x); a draft model's cost a forward pass each: 7, so that a
+    row's k + 1 verify rows are one 8-row block of the 8-bit GEMM."""
     fields = {"draft_model": "x"} if speculative == "draft" else {}
     config = EngineConfig(speculative=speculative, num_speculative_tokens=given, **fields)
     assert config.num_speculative_tokens == expected
