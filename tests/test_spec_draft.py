@@ -362,3 +362,31 @@ def test_a_short_chunk_runs_as_decode_queries_and_sees_what_a_prefill_sees(tiny)
     finally:
         draft.pool.free(whole + split)
     assert draft.pool.num_free_blocks == draft.pool.num_blocks
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_a_draft_vocabulary_subset_drafts_from_its_ids_and_the_rows_tokens():
+    """SmolLM2's GGUF file drafting for itself from its 1024 lowest ids and the tokens each row
+    has seen: greedy output as without speculation, every draft in that set, and a copy's
+    drafts still accepted (the copied tokens are the prompt's)."""
+    engine = make_engine(4, dtype="auto", quantization="gguf", draft_vocab_size=1024)
+    draft = engine.speculator.proposer.draft
+    assert draft.vocabulary is not None and draft.vocabulary.frequent.out_features == 1024
+    drafted: list[int] = []
+    greedy_next = draft.greedy_next
+
+    def recorded(*args):
+        tokens = greedy_next(*args)
+        drafted.extend(tokens.tolist())
+        return tokens
+
+    draft.greedy_next = recorded
+    prompt = engine.tokenizer.encode(f"Text: {PASSAGE}\nThe same text again: {PASSAGE[:30]}")
+    plain = run(engine, [prompt], [greedy(32)], speculate=False)
+    before = counts(engine)
+    assert run(engine, [prompt], [greedy(32)], speculate=True) == plain
+    assert acceptance_since(engine, before) > 0.5
+    rare = {t for t in prompt + plain[0][0] if t >= 1024}
+    assert drafted and rare and set(drafted) <= set(range(1024)) | rare
+    assert any(t >= 1024 for t in drafted)  # the copied rare tokens came from the seen rows

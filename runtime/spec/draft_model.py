@@ -21,6 +21,7 @@ import torch
 from runtime.models.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from runtime.models.loader import ModelSource, load_model, open_model
 from runtime.models.tokenizer import Tokenizer
+from runtime.spec.draft_vocabulary import DraftVocabulary
 from scheduler.block_pool import CachedBlockPool
 
 # encoded by both tokenizers: code, prose, digits, accents, an emoji, a chat turn's specials
@@ -79,6 +80,7 @@ def load_draft_model(config, target, tokenizer: Tokenizer) -> DraftModel:
         target.device,
         config.quantization if config.draft_quantization == "auto" else config.draft_quantization,
         prefix_caching=config.enable_prefix_caching,
+        vocab_size=config.draft_vocab_size,
     )
 
 
@@ -112,12 +114,15 @@ class DraftModel:
         device: torch.device,
         quantization: str = "gguf",
         prefix_caching: bool = True,
+        vocab_size: int = 0,
     ) -> None:
         self.device, self.block_size = device, block_size
         self.prefix_caching = prefix_caching
         self.model_config = mc = source.config
         self.backend = AttentionBackend(device, block_size, dtype)
         self.model = load_model(source, mc, dtype, device, self.backend, quantization)
+        # --draft-vocab-size: the output projection's rows a draft token reads (None: all)
+        self.vocabulary = DraftVocabulary.of(self.model, vocab_size)
         self.pool = CachedBlockPool(num_blocks)
         shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
         # per layer [num_blocks, block_size, num_kv_heads, head_dim]
@@ -142,14 +147,19 @@ class DraftModel:
         return self.model_config.max_position_embeddings
 
     @torch.inference_mode()
-    def greedy_next(self, input_ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
+    def greedy_next(
+        self, input_ids: torch.Tensor, chunks: list[Chunk], seen: set[int] | None = None
+    ) -> torch.Tensor:
         """input_ids: [num_tokens] the chunks' tokens, in order, on the device -> [num_chunks]
-        the greedy token after each chunk's last, on the device. Writes the chunks' KV."""
+        the greedy token after each chunk's last, on the device. Writes the chunks' KV. With a
+        vocabulary subset, the token is the best of its ids and `seen` (the rows' rare ids)."""
         attn, positions, last_index = prepare_draft_attention(chunks, self.block_size, self.device)
         self.backend.prepare(attn)
         ctx = ForwardContext(attn, self.k_caches, self.v_caches)
         hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
         rows = hidden[last_index]  # [num_chunks, hidden]
+        if self.vocabulary is not None:
+            return self.vocabulary.greedy(rows, seen or set())
         if self.model.greedy_projection is not None:
             return self.model.compute_greedy_tokens(rows)
         return self.model.compute_logits(rows).max(dim=-1).indices

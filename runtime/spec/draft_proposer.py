@@ -40,6 +40,9 @@ class DraftRow:
     num_computed: int = 0
     tail: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    # with a vocabulary subset: the ids of its tokens outside it, from its first num_scanned
+    rare_ids: set[int] = field(default_factory=set)
+    num_scanned: int = 0
 
     def num_valid(self, token_ids: list[int]) -> int:
         """Tokens of the row's history whose KV the cache holds (the tail's accepted drafts)."""
@@ -194,14 +197,15 @@ class DraftModelProposer:
     def _run(self, plans: list[RowPlan]) -> list[list[int]]:
         """plans: sorted by k, largest first, so the rows of each decode step are a prefix."""
         device = self.draft.device
+        seen = self._seen(plans)
         catch_up = [t for p in plans for t in p.token_ids[p.start : p.end]]
         chunks = [Chunk(p.row.block_ids, p.start, p.end - p.start) for p in plans]
-        tokens = self.draft.greedy_next(torch.tensor(catch_up, device=device), chunks)
+        tokens = self.draft.greedy_next(torch.tensor(catch_up, device=device), chunks, seen)
         steps = [tokens]  # [num_rows_drafting_j] per draft position j, on the device
         for j in range(1, plans[0].k):
             num_rows = sum(p.k > j for p in plans)
             chunks = [Chunk(p.row.block_ids, len(p.token_ids) + j - 1, 1) for p in plans[:num_rows]]
-            tokens = self.draft.greedy_next(tokens[:num_rows], chunks)
+            tokens = self.draft.greedy_next(tokens[:num_rows], chunks, seen)
             steps.append(tokens)
         flat = torch.cat(steps).tolist()  # the one copy back
         drafts: list[list[int]] = [[] for _ in plans]
@@ -211,6 +215,19 @@ class DraftModelProposer:
                 drafts[row].append(flat[offset + row])
             offset += step.shape[0]
         return drafts
+
+    def _seen(self, plans: list[RowPlan]) -> set[int] | None:
+        """With a vocabulary subset: the rows' tokens outside it (each row's scanned once)."""
+        vocabulary = self.draft.vocabulary
+        if vocabulary is None:
+            return None
+        seen: set[int] = set()
+        for plan in plans:
+            row = plan.row
+            row.rare_ids |= vocabulary.rare_ids(plan.token_ids[row.num_scanned :])
+            row.num_scanned = len(plan.token_ids)
+            seen |= row.rare_ids
+        return seen
 
     def _observe_cost(self, plans: list[RowPlan], seconds: float) -> None:
         """A draft's price from steady steps only: each row catching up on at most the two tokens
