@@ -369,3 +369,17 @@ def test_an_engine_that_never_verified_a_draft_probes_at_once():
     policy.observe("a", 1, 0)
     policy.observe("b", 1, 0)
     assert policy.choose(rows, 2, 2, token_budget_left=100) == [0, 0]
+
+
+def test_no_forced_probe_where_even_accepted_drafts_would_not_pay():
+    """A draft model's new requests probe at once at one stream; in a batch of 16, where 7
+    drafts all accepted would still lower the goodput (each costs a draft forward pass), they
+    do not, and probe once the batch has drained."""
+    draft_cost = DraftCost()
+    draft_cost.observe(1, 0.015)
+    policy = SpeculationPolicy(
+        7, fitted_cost(0.02, 0.005), AcceptanceTracker(), draft_cost=draft_cost
+    )
+    crowd = [RowCandidate(f"r{i}", 10) for i in range(16)]
+    assert policy.choose(crowd, 16, 16, token_budget_left=100) == [0] * 16
+    assert policy.choose(crowd[:1], 1, 1, token_budget_left=100) == [1]
