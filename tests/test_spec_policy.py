@@ -11,7 +11,10 @@ from runtime.spec.policy import (
     SpeculationPolicy,
     StepCostModel,
 )
+from runtime.spec.proposer import NgramConfig
+from runtime.spec.speculator import PromptLookup, Speculator
 from runtime.spec.stats import NUM_ACCEPTED_TOKENS_PER_POS, NUM_DRAFTS, SpecDecodeStats
+from scheduler.request import Request
 
 
 def fitted_cost(step_seconds, per_token_seconds):
@@ -383,3 +386,17 @@ def test_no_forced_probe_where_even_accepted_drafts_would_not_pay():
     crowd = [RowCandidate(f"r{i}", 10) for i in range(16)]
     assert policy.choose(crowd, 16, 16, token_budget_left=100) == [0] * 16
     assert policy.choose(crowd[:1], 1, 1, token_budget_left=100) == [1]
+
+
+def test_the_speculator_hands_the_policys_probes_to_prompt_lookup():
+    """Rows whose drafts all failed get k = 0, then a forced probe: prompt lookup drafts it only
+    after a long match (the row "long"), not after two tokens (the row "short")."""
+    policy = SpeculationPolicy(8, fitted_cost(0.02, 0.00001), AcceptanceTracker(probe_interval=1))
+    for _ in range(30):
+        policy.observe("short", 4, 0)
+        policy.observe("long", 4, 0)
+    speculator = Speculator(8, PromptLookup(NgramConfig(2, 32, 8)), policy)
+    short = Request("short", [1, 2, 3, 40, 41, 42, 9, 2, 3])
+    long = Request("long", [5, 6, 7, 8, 50, 51, 52, 9, 5, 6, 7, 8])
+    assert speculator.propose([short, long], [8, 8], 2, 2, 100) == [[], [50]]
+    assert policy.probes == {0, 1}

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from runtime.spec.proposer import NgramConfig, NgramProposer, TokenHistories, history_of
+from runtime.spec.speculator import PROBE_MIN_NGRAM, PromptLookup
 from scheduler.request import Request
 
 
@@ -116,3 +117,14 @@ def test_token_histories_follow_a_request_as_its_output_grows_and_goes_back():
     assert histories.of(request).tolist() == history_of(request).tolist()
     histories.release("r")
     assert histories.of(Request("r", [1, 2])).tolist() == [1, 2]
+
+
+def test_a_forced_probe_drafts_only_after_a_long_match():
+    """The policy's forced probes (a row whose rate says k = 0) need PROBE_MIN_NGRAM matched
+    tokens: a short match is no evidence that the text copies; chosen drafts keep ngram_min."""
+    lookup = PromptLookup(NgramConfig(2, 32, 8))
+    short = Request("short", [1, 2, 3, 40, 41, 42, 9, 2, 3])  # the last 2 tokens matched
+    tail = [5, 6, 7, 8][:PROBE_MIN_NGRAM]
+    long = Request("long", [*tail, 50, 51, 52, 9, *tail])  # the last PROBE_MIN_NGRAM matched
+    assert lookup.propose_rows([short, long], [2, 2]) == [[40, 41], [50, 51]]
+    assert lookup.propose_rows([short, long], [1, 1], probing=[True, True]) == [[], [50]]

@@ -89,9 +89,12 @@ class DraftModelProposer:
         self.lookup = lookup  # prompt lookup tried first (--draft-prompt-lookup)
         self.histories = TokenHistories()  # the rows' tokens for the lookup
 
-    def propose_rows(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+    def propose_rows(
+        self, requests: Sequence[Request], ks: Sequence[int], probing: Sequence[bool] = ()
+    ) -> list[list[int]]:
         """requests[i] wants up to ks[i] drafts. -> drafts per row (empty: k = 0, or no room in
-        the draft cache or the draft model's length)."""
+        the draft cache or the draft model's length). A probe drafts as any row (the policy
+        prices a draft model's probes)."""
         drafts = [self._looked_up(request, k) for request, k in zip(requests, ks)]
         pending = [i for i, draft in enumerate(drafts) if draft is None]
         if pending:

@@ -160,6 +160,7 @@ class SpeculationPolicy:
         self.cost = cost
         self.acceptance = acceptance
         self.draft_cost = draft_cost  # None: drafts cost the proposer nothing (prompt lookup)
+        self.probes: set[int] = set()  # the last choose()'s forced single-draft probes (rows)
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(request_id, num_drafted, num_accepted)
@@ -213,10 +214,12 @@ class SpeculationPolicy:
                 heapq.heappush(heap, (negative_gain * rates[i], i))
         probe_cost = self._probe_cost(num_rows, num_tokens)
         worth_probing = self._drafts_could_pay(num_rows, num_tokens)
+        self.probes = set()
         for i, row in enumerate(rows):
             probe = ks[i] == 0 and self.acceptance.relax(row.request_id, probe_cost)
             if probe and worth_probing and extra < token_budget_left and self._cap(row):
                 ks[i], extra = 1, extra + 1
+                self.probes.add(i)
         return ks
 
     def _drafts_could_pay(self, num_rows: int, num_tokens: int) -> bool:

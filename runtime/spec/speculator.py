@@ -26,6 +26,9 @@ from scheduler.output import SchedulerOutput
 from scheduler.request import Request, SamplingParams
 
 DRAFT_LOOKUP_MIN_NGRAM = 3  # --draft-prompt-lookup: the shortest match that replaces the model
+PROBE_MIN_NGRAM = 4  # prompt lookup: the shortest match a forced probe drafts after (SmolLM2's
+# drafts after a match of one token were accepted 7-22 times in 100, two 75-87, four 96-97)
+PROMPT_LOOKUP_PROBE_INTERVAL = 8  # prompt lookup: steps at k = 0 between a row's forced probes
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -43,8 +46,11 @@ def can_speculate(params: SamplingParams) -> bool:
 class Proposer(Protocol):
     """Fills each row's drafts once the policy chose its k."""
 
-    def propose_rows(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
-        """requests[i] may take up to ks[i] >= 1 drafts -> drafts per row (empty: none)."""
+    def propose_rows(
+        self, requests: Sequence[Request], ks: Sequence[int], probing: Sequence[bool] = ()
+    ) -> list[list[int]]:
+        """requests[i] may take up to ks[i] >= 1 drafts -> drafts per row (empty: none).
+        probing[i]: the row's draft is the policy's forced probe (not chosen from its rate)."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -58,15 +64,30 @@ class Proposer(Protocol):
 
 
 class PromptLookup:
-    """The n-gram proposer over requests: each row's tokens kept as an array between steps."""
+    """The n-gram proposer over requests: each row's tokens kept as an array between steps. A
+    forced probe drafts only after a match of PROBE_MIN_NGRAM tokens or more: it probes a row
+    whose rate says k = 0 (its first rows, or failures), and a short match is no evidence that
+    the text now copies (a copy's first probe, on its preamble's two-token match, failed, and at
+    16 streams no request drafted again before it ended). Without a match a probe costs only
+    the lookup, a few microseconds, so rows probe every PROMPT_LOOKUP_PROBE_INTERVAL steps."""
 
     def __init__(self, config: NgramConfig) -> None:
         self.ngram = NgramProposer(config)
+        longest = max(config.ngram_max, PROBE_MIN_NGRAM)
+        self.probe = NgramProposer(
+            NgramConfig(
+                max(config.ngram_min, PROBE_MIN_NGRAM), longest, config.num_speculative_tokens
+            )
+        )
         self.histories = TokenHistories()
 
-    def propose_rows(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+    def propose_rows(
+        self, requests: Sequence[Request], ks: Sequence[int], probing: Sequence[bool] = ()
+    ) -> list[list[int]]:
+        probing = probing or [False] * len(requests)
         return [
-            self.ngram.propose_one(self.histories.of(r), k).tolist() for r, k in zip(requests, ks)
+            (self.probe if probe else self.ngram).propose_one(self.histories.of(r), k).tolist()
+            for r, k, probe in zip(requests, ks, probing)
         ]
 
     def release(self, request_id: str) -> None:
@@ -86,7 +107,7 @@ class Speculator:
         self.num_speculative_tokens = num_speculative_tokens
         self.proposer = proposer
         self.policy = policy or SpeculationPolicy(
-            num_speculative_tokens, StepCostModel(keep_drafted_apart=True), AcceptanceTracker()
+            num_speculative_tokens, default_step_cost(), AcceptanceTracker()
         )
         self.stats = SpecDecodeStats(num_speculative_tokens)
         self.num_rows_per_k: dict[int, int] = {}  # the policy's choices, k = 0 included
@@ -109,12 +130,13 @@ class Speculator:
         drafts: list[list[int]] = [[] for _ in rows]
         for k in ks:
             self.num_rows_per_k[k] = self.num_rows_per_k.get(k, 0) + 1
-        drafting = [(i, k) for i, k in zip(eligible, ks) if k > 0]
+        drafting = [(c, k) for c, k in enumerate(ks) if k > 0]  # c: the candidate's index
         if drafting:
-            requests = [rows[i] for i, _ in drafting]
-            proposed = self.proposer.propose_rows(requests, [k for _, k in drafting])
-            for (i, _), draft in zip(drafting, proposed):
-                drafts[i] = draft
+            requests = [rows[eligible[c]] for c, _ in drafting]
+            probing = [c in self.policy.probes for c, _ in drafting]
+            proposed = self.proposer.propose_rows(requests, [k for _, k in drafting], probing)
+            for (c, _), draft in zip(drafting, proposed):
+                drafts[eligible[c]] = draft
         return drafts
 
     # ---- fed back by the engine ---------------------------------------------------------------
@@ -167,6 +189,10 @@ class Speculator:
             )
 
 
+def default_step_cost() -> StepCostModel:
+    return StepCostModel(keep_drafted_apart=True)
+
+
 def is_decode_only(out: SchedulerOutput) -> bool:
     """Every row one new token (drafts aside): the steps drafts ride on. A prefill chunk's
     thousands of tokens priced the next token of a decode far too cheap (its cost is a matmul's,
@@ -182,11 +208,12 @@ def make_speculator(config, target=None, tokenizer=None) -> Speculator | None:
         return None
     k = config.num_speculative_tokens
     if config.speculative == "ngram":
-        return Speculator(k, PromptLookup(NgramConfig(config.ngram_min, config.ngram_max, k)))
+        lookup = PromptLookup(NgramConfig(config.ngram_min, config.ngram_max, k))
+        tracker = AcceptanceTracker(probe_interval=PROMPT_LOOKUP_PROBE_INTERVAL)
+        return Speculator(k, lookup, SpeculationPolicy(k, default_step_cost(), tracker))
     if config.speculative == "draft":
         cost = DraftCost()
-        step_cost = StepCostModel(keep_drafted_apart=True)
-        policy = SpeculationPolicy(k, step_cost, AcceptanceTracker(), draft_cost=cost)
+        policy = SpeculationPolicy(k, default_step_cost(), AcceptanceTracker(), draft_cost=cost)
         draft = load_draft_model(config, target, tokenizer)
         lookup = None
         if config.draft_prompt_lookup:
