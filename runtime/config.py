@@ -145,8 +145,8 @@ class EngineConfig(BaseModel):
     draft_vocab_size: int = Field(
         32768,
         ge=0,
-        description="--speculative draft: a draft token is the draft model's best among the "
-        "this many lowest token ids (a BPE vocabulary's frequent ones) and the tokens its "
+        description="--speculative draft: a draft token is the draft model's best among this "
+        "many lowest token ids (a BPE vocabulary's frequent ones) and the tokens its "
         "request has seen (FR-Spec); its output projection reads those rows only (GGUF heads "
         "on the CPU: Qwen2.5's 145 MB at 0.5B, 31 MB for 32768 rows). 0: the whole vocabulary",
     )

@@ -102,9 +102,7 @@ def test_same_output_alone_in_a_batch_and_with_prefix_hits(engine, prompts, hf_g
 
 def run_under_pressure(engine_config: EngineConfig, prompts, params):
     engine = Engine(engine_config)
-    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
+    requests = engine.generate(prompts, params)
     assert engine.block_manager.num_free_gpu_blocks == engine.block_manager.num_gpu_blocks
     return [r.output_token_ids for r in requests], engine.scheduler.num_preemptions
 

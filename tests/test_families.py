@@ -217,9 +217,7 @@ def test_preemption_mid_window(request, prompts, family, mode, backend):
         enable_prefix_caching=False,
     )
     batch = [prompts[i] for i in (4, 5, 6, 5, 6)]
-    requests = [engine.add_request(p, greedy(24)) for p in batch]
-    while engine.has_unfinished():
-        engine.step()
+    requests = engine.generate(batch, greedy(24))
     assert engine.scheduler.num_preemptions[mode] > 0
     ids, _ = hf_oracle(model_dir, batch, num_new=24)
     assert [r.output_token_ids for r in requests] == ids

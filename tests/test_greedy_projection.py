@@ -156,10 +156,7 @@ def test_engine_greedy_outputs_equal_with_and_without_it(tiny_model_dir):
     def generate() -> list[list[int]]:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         prompts = [[5 + i, 6, 7, 8 * (i + 1)] * (i + 1) for i in range(6)]
-        requests = [engine.add_request(p, params) for p in prompts]
-        while engine.has_unfinished():
-            engine.step()
-        return [list(r.output_token_ids) for r in requests]
+        return [list(r.output_token_ids) for r in engine.generate(prompts, params)]
 
     model.greedy_projection = counted
     with_kernel = generate()
