@@ -4,14 +4,13 @@ product gives; it stays off where it cannot help."""
 
 from __future__ import annotations
 
-import types
-
 import gguf
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from runtime.models.layers import CausalLM
 from runtime.models.quant import QuantizedLinear, random_blocks
 from runtime.spec.draft_vocabulary import DraftVocabulary
 
@@ -55,13 +54,22 @@ def test_the_seen_rows_are_gathered_again_only_when_the_set_changes():
     assert vocabulary.rare_ids([3, 127, 128, 299]) == {128, 299}
 
 
+class Heads:
+    """A model's two places for the vocabulary's rows, with CausalLM's choice between them."""
+
+    output_projection = CausalLM.output_projection
+
+    def __init__(self, lm_head, embed_tokens):
+        self.lm_head, self.embed_tokens = lm_head, embed_tokens
+
+
 def test_no_subset_where_it_cannot_help():
     weight = head()
-    quantized = types.SimpleNamespace(lm_head=weight, embed_tokens=None)
+    quantized = Heads(lm_head=weight, embed_tokens=None)
     assert DraftVocabulary.of(quantized, 128) is not None
-    tied = types.SimpleNamespace(lm_head=None, embed_tokens=weight)
+    tied = Heads(lm_head=None, embed_tokens=weight)
     assert DraftVocabulary.of(tied, 128) is not None
     for size in (0, 300, 400):  # off, or no smaller than the vocabulary
         assert DraftVocabulary.of(quantized, size) is None
-    floats = types.SimpleNamespace(lm_head=nn.Linear(64, 300, bias=False), embed_tokens=None)
+    floats = Heads(lm_head=nn.Linear(64, 300, bias=False), embed_tokens=None)
     assert DraftVocabulary.of(floats, 128) is None

@@ -9,7 +9,7 @@
 // AMD EPYC of docs/benchmarks.md): quant_gemm.cpp's bfloat16 tiles ran at 80-95% of their peak.
 // On AVX2, vpmaddubsw does 32 where an FMA does 8, and weights need no widening to 16 bits.
 // x is quantized once a call, a row a lane of a vector (int8_lanes.h: 16 rows with AVX-512, or 8
-// in ymm lanes where a call has 8 rows or fewer, a verify step or a small batch: 1.25x; 8
+// in ymm lanes where a call has 8 rows or fewer, a verify step or a small batch: 1.3-1.45x; 8
 // with AVX2), so that 4 codes of a weight row are one broadcast and no weights are transposed.
 // Each thread takes a run of weight rows, kColumns at a time: unpacked to their codes (in L1),
 // then multiplied by every row of x, kRowBlocks row blocks a step (AVX-512: 6 weight rows and 2

@@ -297,8 +297,8 @@ class CausalLM(nn.Module):
         """hidden: [num_seqs, hidden] -> [num_seqs] int64, the first index of each row's largest
         logit, as compute_logits(hidden).argmax(-1) but without writing the logits (softcapping
         is monotonic: it keeps the argmax)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.greedy_projection(hidden, weight)  # weight: [vocab, hidden], row-major
+        # the weight: [vocab, hidden], row-major
+        return self.greedy_projection(hidden, self.output_projection.weight)
 
     def pack_linears(self) -> None:
         """After loading, on CPU in float32: every projection and the lm_head run on packed
@@ -329,10 +329,14 @@ class CausalLM(nn.Module):
         return total
 
     @property
+    def output_projection(self) -> nn.Module:
+        """The module whose rows are the vocabulary's: the lm_head, or the tied embedding."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    @property
     def output_is_quantized(self) -> bool:
         """The lm_head (or the tied embedding) runs on GGUF blocks: no float weight to project."""
-        output = self.embed_tokens if self.lm_head is None else self.lm_head
-        return isinstance(output, QuantizedWeight)
+        return isinstance(self.output_projection, QuantizedWeight)
 
     def quantize(self, specs: dict[str, QuantizedSpec], dtype: torch.dtype) -> frozenset[str]:
         """Before the weights are allocated (on the meta device): swap each projection whose

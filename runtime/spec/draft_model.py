@@ -184,26 +184,21 @@ def prepare_draft_attention(
         tables[row, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.int32)
     slots = tables[seq_of_token, positions // block_size].long() * block_size
     slots += positions % block_size
-    start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).int().to(device)
-    if int(num_new.max()) <= DECODE_QUERY_TOKENS:  # [num_tokens] decode queries
-        decode_tables, decode_lens = tables[seq_of_token].to(device), (positions + 1).int()
-        attn = AttentionMetadata(
-            slot_mapping=slots.to(device),
-            num_decode_tokens=len(positions),
-            decode_block_tables=decode_tables,
-            decode_seq_lens=decode_lens.to(device),
-            prefill_block_tables=decode_tables[:0],
-            prefill_query_start_loc=start_loc[:1],
-            prefill_seq_lens=decode_lens[:0].to(device),
-        )
+    start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).int()
+    seq_lens = (computed + num_new).int()
+    if int(num_new.max()) <= DECODE_QUERY_TOKENS:  # a decode query per token, none of prefill
+        decode_tables, decode_lens = tables[seq_of_token], (positions + 1).int()
+        prefill_tables, prefill_lens, start_loc = tables[:0], seq_lens[:0], start_loc[:1]
     else:
-        attn = AttentionMetadata(
-            slot_mapping=slots.to(device),
-            num_decode_tokens=0,
-            decode_block_tables=tables[:0].to(device),
-            decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
-            prefill_block_tables=tables.to(device),
-            prefill_query_start_loc=start_loc,
-            prefill_seq_lens=(computed + num_new).int().to(device),
-        )
+        decode_tables, decode_lens = tables[:0], seq_lens[:0]
+        prefill_tables, prefill_lens = tables, seq_lens
+    attn = AttentionMetadata(
+        slot_mapping=slots.to(device),
+        num_decode_tokens=len(decode_lens),
+        decode_block_tables=decode_tables.to(device),
+        decode_seq_lens=decode_lens.to(device),
+        prefill_block_tables=prefill_tables.to(device),
+        prefill_query_start_loc=start_loc.to(device),
+        prefill_seq_lens=prefill_lens.to(device),
+    )
     return attn, positions.to(device), (ends - 1).to(device)

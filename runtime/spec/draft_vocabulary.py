@@ -32,7 +32,7 @@ class DraftVocabulary:
     def of(cls, model, size: int) -> DraftVocabulary | None:
         """The subset for the model's output projection, or None where it would not help: size 0,
         a vocabulary no larger, a head that is not GGUF blocks on the CPU (floats, GPU planes)."""
-        head = model.lm_head if model.lm_head is not None else model.embed_tokens
+        head = model.output_projection
         usable = isinstance(head, QuantizedWeight) and head.blocks.device.type == "cpu"
         if not usable or not 0 < size < head.out_features:
             return None
@@ -57,11 +57,10 @@ class DraftVocabulary:
         """The head's rows of the seen ids, gathered again only when the set changes."""
         ids = tuple(sorted(seen))
         if ids != self._seen_ids:
-            self._seen_ids = ids
-            rows = self.head.blocks[torch.tensor(ids, dtype=torch.int64)] if ids else None
-            self._seen = (
-                None
-                if rows is None
-                else QuantizedWeight(rows, self.head.ggml_type, len(ids), self.head.in_features)
-            )
+            self._seen_ids, self._seen = ids, None
+            if ids:
+                rows = self.head.blocks[torch.tensor(ids, dtype=torch.int64)]
+                self._seen = QuantizedWeight(
+                    rows, self.head.ggml_type, len(ids), self.head.in_features
+                )
         return self._seen
