@@ -338,7 +338,7 @@ def test_real_tensors_of_every_type_in_the_file():
         expected = oracle(tensor.data, tensor.tensor_type, linear.out_features, linear.in_features)
         x = torch.randn(4, linear.in_features, generator=torch.Generator().manual_seed(1))
         kernel = cpu_kernels.native_kernel(native.native_ops(), x)
-        if kernel is not None and kernel.__name__ == "quant_dot_int8":
+        if kernel is not None and kernel.__name__ in ("quant_dot_int8", "quant_gemm_int8"):
             x = rounded_to_int8_groups(x, tensor.tensor_type)  # as the kernel sees it
         elif cpu_kernels.integer_dots():
             x = rounded_to_int16_groups(x, tensor.tensor_type)

@@ -40,6 +40,7 @@ there (docs/benchmarks.md, 2026-11-27). Prompt lookup costs nothing here (no Dra
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -50,11 +51,23 @@ import numpy as np
 from runtime.spec.acceptance import AcceptanceTracker, decayed
 
 REFIT_EVERY = 8  # observations between least-squares fits (a fit every step was 3% of SmolLM2's)
+FIRST_DRAFT_MARGIN = 0.05  # a row's first draft: planned at its rate less this (_best_drafts)
+SHAPE_WEIGHT = 0.3  # a step's weight in the moving average of its shape's measured seconds
+MAX_SHAPES_PER_ROWS = 64  # token counts remembered per row count (more: interpolated)
 
 
 class StepCostModel:
-    """Measured seconds per step as a linear function of (rows, tokens), refit on demand every
-    REFIT_EVERY observations."""
+    """Measured seconds per step: a linear function of (rows, tokens), refit on demand every
+    REFIT_EVERY observations, corrected by the steps measured at the same row count.
+
+    A CPU step is no linear function of its tokens: the matmul kernel changes with the row count
+    and costs the same for every row count within a lane block, so Qwen2.5-Coder-1.5B's step read
+    30, 41, 58, 70 and 72 ms at 1, 2, 3, 4 and 8 tokens of one row (Zen 5). Fitted, the line put
+    8 tokens at 90 ms and k = 7 never paid. So each (rows, tokens) keeps a moving average of its
+    measured seconds, which predict() returns; between two measured token counts of the same rows
+    it interpolates, and beyond them it follows the line from the nearest one. An entry not
+    measured for `window` steps is dropped (the context grew; a slow step's outlier is tried
+    again)."""
 
     def __init__(self, window: int = 256, min_samples: int = 8, keep_drafted_apart: bool = False):
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
@@ -66,13 +79,42 @@ class StepCostModel:
         self.drafted: deque[tuple[int, int, float]] | None = (
             deque(maxlen=window) if keep_drafted_apart else None
         )
+        self.window = window
         self._coefficients: tuple[float, float, float] | None = None
         self._since_fit = 0
+        self._num_observed = 0
+        # rows -> {tokens: (seconds, moving average; the observation that last updated it)}
+        self._shapes: dict[int, dict[int, tuple[float, int]]] = {}
+        self._measured_tokens: dict[int, list[int]] = {}  # rows -> its shapes' tokens, sorted
 
     def observe(self, num_rows: int, num_tokens: int, seconds: float) -> None:
         has_drafts = self.drafted is not None and num_tokens > num_rows
         (self.drafted if has_drafts else self.samples).append((num_rows, num_tokens, seconds))
         self._since_fit += 1
+        self._num_observed += 1
+        self._remember(num_rows, num_tokens, seconds)
+        if self._num_observed % self.window == 0:
+            self._forget_stale_shapes()
+
+    def _remember(self, num_rows: int, num_tokens: int, seconds: float) -> None:
+        shapes = self._shapes.setdefault(num_rows, {})
+        known = shapes.get(num_tokens)
+        if known is not None:
+            seconds = known[0] + SHAPE_WEIGHT * (seconds - known[0])
+        elif len(shapes) >= MAX_SHAPES_PER_ROWS:
+            return
+        else:
+            bisect.insort(self._measured_tokens.setdefault(num_rows, []), num_tokens)
+        shapes[num_tokens] = (seconds, self._num_observed)
+
+    def _forget_stale_shapes(self) -> None:
+        oldest = self._num_observed - self.window
+        for num_rows, shapes in list(self._shapes.items()):
+            kept = {t: entry for t, entry in shapes.items() if entry[1] > oldest}
+            if kept:
+                self._shapes[num_rows], self._measured_tokens[num_rows] = kept, sorted(kept)
+            else:
+                del self._shapes[num_rows], self._measured_tokens[num_rows]
 
     @property
     def is_fitted(self) -> bool:
@@ -90,9 +132,27 @@ class StepCostModel:
             self._coefficients, self._since_fit = (c0, c_rows, c_tokens), 0
         return self._coefficients
 
-    def predict(self, num_rows: int, num_tokens: int) -> float:
+    def fitted(self, num_rows: int, num_tokens: int) -> float:
+        """The line's seconds, without the measured shapes."""
         c0, c_rows, c_tokens = self.coefficients()
         return c0 + c_rows * num_rows + c_tokens * num_tokens
+
+    def predict(self, num_rows: int, num_tokens: int) -> float:
+        shapes = self._shapes.get(num_rows)
+        if not shapes:
+            return self.fitted(num_rows, num_tokens)
+        exact = shapes.get(num_tokens)
+        if exact is not None:
+            return exact[0]
+        tokens = self._measured_tokens[num_rows]
+        at = bisect.bisect_left(tokens, num_tokens)
+        if 0 < at < len(tokens):  # between two measured token counts
+            below, above = tokens[at - 1], tokens[at]
+            share = (num_tokens - below) / (above - below)
+            return (1.0 - share) * shapes[below][0] + share * shapes[above][0]
+        nearest = tokens[at - 1] if at else tokens[0]
+        slope = self.fitted(num_rows, num_tokens) - self.fitted(num_rows, nearest)
+        return max(shapes[nearest][0] + slope, 0.0)
 
 
 class DraftCost:
@@ -187,31 +247,15 @@ class SpeculationPolicy:
             if caps[i] and self.acceptance.rate(row.request_id) >= self.min_acceptance
         ]
         price = self._pricer(work)  # asked of these rows only: a lookup, a catch-up count
-        rates = {
-            i: self.acceptance.planned_rate(rows[i].request_id, by_model=price(i)[0] > 0.0)
+        drafts = [
+            (i, caps[i], self.acceptance.rate(rows[i].request_id) - FIRST_DRAFT_MARGIN,
+             self.acceptance.planned_rate(rows[i].request_id, by_model=price(i)[0] > 0.0))
             for i in may_draft
-        }
-        # max-heap of each row's next draft's expected gain a^(k+1)
-        heap = [(-rates[i], i) for i in may_draft]
-        heapq.heapify(heap)
-        expected = float(num_rows)  # each scheduled row yields one token without drafts
-        best = expected / self.cost.predict(num_rows, num_tokens)
-        extra, drafting = 0, 0.0  # drafts taken; the proposer's seconds for them
-        while heap and extra < token_budget_left:
-            negative_gain, i = heapq.heappop(heap)
-            per_draft, catch_up = price(i)
-            added = per_draft + (catch_up if ks[i] == 0 else 0.0)
-            seconds = self.cost.predict(num_rows, num_tokens + extra + 1) + drafting + added
-            goodput = (expected - negative_gain) / seconds
-            if goodput <= best:
-                if added:
-                    continue  # this row's drafts cost the proposer; others' may cost less
-                break  # gains only shrink from here
-            expected, best, extra = expected - negative_gain, goodput, extra + 1
-            drafting += added
+        ]  # fmt: skip
+        taken = self._best_drafts(drafts, price, num_rows, num_tokens, token_budget_left)
+        for i in taken:
             ks[i] += 1
-            if ks[i] < caps[i]:
-                heapq.heappush(heap, (negative_gain * rates[i], i))
+        extra = len(taken)
         probe_cost = self._probe_cost(num_rows, num_tokens)
         worth_probing = self._drafts_could_pay(num_rows, num_tokens)
         self.probes = set()
@@ -221,6 +265,60 @@ class SpeculationPolicy:
                 ks[i], extra = 1, extra + 1
                 self.probes.add(i)
         return ks
+
+    def _best_drafts(
+        self,
+        drafts: list[tuple[int, int, float, float]],
+        price: Callable[[int], tuple[float, float]],
+        num_rows: int,
+        num_tokens: int,
+        token_budget_left: int,
+    ) -> list[int]:
+        """drafts: (row, most drafts, its rate, its planned rate) of each row that may draft.
+        -> the rows of the drafts taken, a row once per draft. A row's first draft is planned at
+        its rate less FIRST_DRAFT_MARGIN, the others at the planned rate: one draft costs little
+        if it fails (a draft model's token and a verify row, 0.77 of a plain step on a Zen 5),
+        and without it a request whose planned rate is cautious gathers no evidence (a copy's
+        first request on a Zen 5 stayed at k = 0 after three drafts accepted: 0.92, planned at
+        0.81). The margin keeps a draft that only breaks even at the rate from being made. Drafts are taken one at a time, the best value
+        first (expected gain a^j over what it adds: a verify token and the proposer's seconds),
+        and the best prefix of that order wins, not the first whose next draft lowers the
+        goodput: a CPU step costs the same for 5 to 8 tokens, so 7 drafts can pay where 2 do not
+        (Qwen2.5-Coder-1.5B at one stream, its draft model's tokens included: 1 draft, 2 tokens
+        in 53 ms; 2 drafts, 3 in 82; 7 drafts, 8 in 156). The search stops where even free
+        drafts could not beat the best."""
+        token_seconds = max(self.cost.coefficients()[2], 1e-6)
+        ks = dict.fromkeys((i for i, *_ in drafts), 0)
+        caps = {i: cap for i, cap, *_ in drafts}
+        rates = {i: rate for i, *_, rate in drafts}
+
+        def entry(i: int, gain: float) -> tuple[float, int, float, float]:
+            per_draft, catch_up = price(i)
+            added = per_draft + (catch_up if ks[i] == 0 else 0.0)
+            return -gain / (token_seconds + added), i, gain, added
+
+        drafts = [(i, cap, max(first, rate), rate) for i, cap, first, rate in drafts]
+        heap = [entry(i, first) for i, _, first, _ in drafts]
+        heapq.heapify(heap)
+        remaining = sum(
+            first * (1.0 + geometric_tail(rate, cap - 1)) for _, cap, first, rate in drafts
+        )
+        expected = float(num_rows)  # each scheduled row yields one token without drafts
+        seconds = self.cost.predict(num_rows, num_tokens)
+        best, best_len = expected / seconds, 0
+        taken: list[int] = []
+        drafting = 0.0  # the proposer's seconds for the drafts taken
+        while heap and len(taken) < token_budget_left and (expected + remaining) / seconds > best:
+            _, i, gain, added = heapq.heappop(heap)
+            ks[i] += 1
+            taken.append(i)
+            expected, remaining, drafting = expected + gain, remaining - gain, drafting + added
+            seconds = self.cost.predict(num_rows, num_tokens + len(taken)) + drafting
+            if expected / seconds > best:
+                best, best_len = expected / seconds, len(taken)
+            if ks[i] < caps[i]:
+                heapq.heappush(heap, entry(i, gain * rates[i]))
+        return taken[:best_len]
 
     def _drafts_could_pay(self, num_rows: int, num_tokens: int) -> bool:
         """Whether num_speculative_tokens drafts, every one accepted, would raise the step's
@@ -282,3 +380,12 @@ class FixedK(SpeculationPolicy):
         work: Callable[[int], DraftWork] | None = None,
     ) -> list[int]:
         return [self._cap(row) for row in rows]
+
+
+def geometric_tail(rate: float, count: int) -> float:
+    """rate + rate^2 + ... + rate^count: what count drafts at this rate yield in expectation."""
+    total, gain = 0.0, 1.0
+    for _ in range(count):
+        gain *= rate
+        total += gain
+    return total
