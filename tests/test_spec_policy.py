@@ -9,11 +9,11 @@ from runtime.spec.policy import (
     DraftWork,
     RowCandidate,
     SpeculationPolicy,
-    StepCostModel,
 )
 from runtime.spec.proposer import NgramConfig
 from runtime.spec.speculator import PromptLookup, Speculator
 from runtime.spec.stats import NUM_ACCEPTED_TOKENS_PER_POS, NUM_DRAFTS, SpecDecodeStats
+from runtime.spec.step_cost import StepCostModel
 from scheduler.request import Request
 
 
@@ -404,8 +404,9 @@ def test_the_speculator_hands_the_policys_probes_to_prompt_lookup():
 
 def test_the_cost_model_returns_measured_shapes_and_interpolates_between_them():
     """A CPU step flat from 5 to 8 tokens (one lane block) is no line: each measured (rows,
-    tokens) keeps its own seconds, token counts between two measured ones interpolate, and those
-    beyond follow the line's slope from the nearest measured one."""
+    tokens) keeps its own seconds, token counts between two measured ones interpolate; beyond
+    the most measured the seconds stay to the end of the next block of 8 tokens, then follow the
+    line's slope; below the fewest, the line's slope from there."""
     cost = StepCostModel()
     for _ in range(3):
         for tokens, seconds in [(1, 0.030), (2, 0.041), (4, 0.070), (8, 0.072)]:
@@ -413,8 +414,12 @@ def test_the_cost_model_returns_measured_shapes_and_interpolates_between_them():
     assert cost.predict(1, 8) == pytest.approx(0.072)
     assert cost.predict(1, 6) == pytest.approx(0.071)
     assert cost.predict(1, 8) < cost.fitted(1, 8)
-    slope = cost.fitted(1, 12) - cost.fitted(1, 8)
-    assert slope > 0 and cost.predict(1, 12) == pytest.approx(0.072 + slope)
+    assert cost.predict(1, 16) == pytest.approx(0.072)
+    slope = cost.fitted(1, 20) - cost.fitted(1, 16)
+    assert slope > 0 and cost.predict(1, 20) == pytest.approx(0.072 + slope)
+    for _ in range(3):
+        cost.observe(3, 6, 0.05)
+    assert cost.predict(3, 4) == pytest.approx(0.05 - (cost.fitted(3, 6) - cost.fitted(3, 4)))
     assert cost.predict(2, 2) == pytest.approx(cost.fitted(2, 2))  # no shape of 2 rows measured
 
 
@@ -453,3 +458,21 @@ def test_the_best_number_of_drafts_wins_not_the_first_whose_next_draft_does_not_
     for _ in range(10):
         policy.observe("copy", 7, 7)
     assert policy.choose([RowCandidate("copy", 100)], 1, 1, token_budget_left=100) == [7]
+
+
+def test_a_lane_block_beyond_the_measured_steps_is_tried():
+    """Only 1-3 tokens measured (30, 41, 57 ms): the line from there puts 8 tokens near 100 ms
+    and seven drafts would never be tried, nor their step measured. Assumed flat to the end of
+    the lane block, a row whose drafts land is given them once, and the measure decides."""
+    cost = StepCostModel()
+    measured = [(1, 0.030)] * 8 + [(2, 0.041), (3, 0.057)] * 3
+    for tokens, seconds in measured:
+        cost.observe(1, tokens, seconds)
+    assert cost.fitted(1, 8) > 0.09
+    policy = SpeculationPolicy(7, cost, AcceptanceTracker(), draft_cost=draft_cost(0.012))
+    for accepted in (7, 7, 6) * 10:
+        policy.observe("copy", 7, accepted)
+    assert policy.choose([RowCandidate("copy", 100)], 1, 1, token_budget_left=100) == [7]
+    for _ in range(3):
+        cost.observe(1, 8, 0.2)  # 8 tokens measured dear: k = 7 no longer pays
+    assert policy.choose([RowCandidate("copy", 100)], 1, 1, token_budget_left=100)[0] < 7

@@ -18,10 +18,10 @@ from runtime.spec.policy import (
     DraftWork,
     RowCandidate,
     SpeculationPolicy,
-    StepCostModel,
 )
 from runtime.spec.proposer import NgramConfig, NgramProposer, TokenHistories
 from runtime.spec.stats import SpecDecodeStats
+from runtime.spec.step_cost import StepCostModel
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, SamplingParams
 
