@@ -386,6 +386,12 @@ def test_no_forced_probe_where_even_accepted_drafts_would_not_pay():
     crowd = [RowCandidate(f"r{i}", 10) for i in range(16)]
     assert policy.choose(crowd, 16, 16, token_budget_left=100) == [0] * 16
     assert policy.choose(crowd[:1], 1, 1, token_budget_left=100) == [1]
+    # drafts batched over 16 rows cost less a token; on the line 7 still do not pay, though the
+    # measured 16-token step, assumed flat to 24 tokens, would say they do
+    draft_cost.observe(100, 0.3)
+    assert draft_cost.seconds_per_token < 0.0045
+    crowd = [RowCandidate(f"s{i}", 10) for i in range(16)]
+    assert policy.choose(crowd, 16, 16, token_budget_left=100) == [0] * 16
 
 
 def test_the_speculator_hands_the_policys_probes_to_prompt_lookup():
@@ -405,8 +411,8 @@ def test_the_speculator_hands_the_policys_probes_to_prompt_lookup():
 def test_the_cost_model_returns_measured_shapes_and_interpolates_between_them():
     """A CPU step flat from 5 to 8 tokens (one lane block) is no line: each measured (rows,
     tokens) keeps its own seconds, token counts between two measured ones interpolate; beyond
-    the most measured the seconds stay to the end of the next block of 8 tokens, then follow the
-    line's slope; below the fewest, the line's slope from there."""
+    the most measured the seconds stay up to 8 tokens, then follow the line's slope; below the
+    fewest, the line's slope from there."""
     cost = StepCostModel()
     for _ in range(3):
         for tokens, seconds in [(1, 0.030), (2, 0.041), (4, 0.070), (8, 0.072)]:
@@ -414,9 +420,12 @@ def test_the_cost_model_returns_measured_shapes_and_interpolates_between_them():
     assert cost.predict(1, 8) == pytest.approx(0.072)
     assert cost.predict(1, 6) == pytest.approx(0.071)
     assert cost.predict(1, 8) < cost.fitted(1, 8)
-    assert cost.predict(1, 16) == pytest.approx(0.072)
-    slope = cost.fitted(1, 20) - cost.fitted(1, 16)
-    assert slope > 0 and cost.predict(1, 20) == pytest.approx(0.072 + slope)
+    slope = cost.fitted(1, 12) - cost.fitted(1, 8)
+    assert slope > 0 and cost.predict(1, 12) == pytest.approx(0.072 + slope)
+    for _ in range(3):
+        cost.observe(5, 3, 0.06)
+    assert cost.predict(5, 8) == pytest.approx(0.06)  # flat to 8 tokens beyond the measured
+    assert cost.predict(5, 10) == pytest.approx(0.06 + cost.fitted(5, 10) - cost.fitted(5, 8))
     for _ in range(3):
         cost.observe(3, 6, 0.05)
     assert cost.predict(3, 4) == pytest.approx(0.05 - (cost.fitted(3, 6) - cost.fitted(3, 4)))

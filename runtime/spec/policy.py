@@ -220,11 +220,13 @@ class SpeculationPolicy:
         goodput: where even they would not (a full batch, whose drafts cost a draft model's
         forward passes), a probe's evidence cannot be used, and forced probes are not made. The
         16 first probes of a 16-stream chat cost the draft pair 4% of its time (a 240-token
-        catch-up of the draft model, 0.4 s in 10), where drafts at 16 streams never pay."""
+        catch-up of the draft model, 0.4 s in 10), where drafts at 16 streams never pay. Priced
+        on the fitted line: the measured shapes' block beyond the most measured is assumed flat,
+        so that a k is tried, and 16 streams made their 16 probes again (0.97x)."""
         k = self.num_speculative_tokens
         per_draft = self.draft_cost.seconds_per_token if self.draft_cost is not None else 0.0
-        plain = num_rows / max(self.cost.predict(num_rows, num_tokens), 1e-9)
-        seconds = self.cost.predict(num_rows, num_tokens + k) + k * per_draft
+        plain = num_rows / max(self.cost.fitted(num_rows, num_tokens), 1e-9)
+        seconds = self.cost.fitted(num_rows, num_tokens + k) + k * per_draft
         return (num_rows + k) / max(seconds, 1e-9) > plain
 
     def _pricer(

@@ -10,7 +10,8 @@ import numpy as np
 
 REFIT_EVERY = 8  # observations between least-squares fits (a fit every step was 3% of SmolLM2's)
 SHAPE_WEIGHT = 0.3  # a step's weight in the moving average of its shape's measured seconds
-TOKEN_BLOCK = 8  # tokens that cost a CPU step alike (the 8-bit GEMM's ymm lanes: 5-8 rows)
+TOKEN_BLOCK = 8  # a step's tokens up to which it is assumed flat beyond the most measured (the
+# 8-bit GEMM's ymm lanes take 1 to 8 rows alike)
 MAX_SHAPES_PER_ROWS = 64  # token counts remembered per row count (more: interpolated)
 
 
@@ -23,10 +24,11 @@ class StepCostModel:
     30, 41, 58, 70 and 72 ms at 1, 2, 3, 4 and 8 tokens of one row (Zen 5). Fitted, the line put
     8 tokens at 90 ms and k = 7 never paid. So each (rows, tokens) keeps a moving average of its
     measured seconds, which predict() returns; between two measured token counts of the same rows
-    it interpolates. Beyond the most measured it assumes the same seconds up to the end of the
-    next block of TOKEN_BLOCK tokens, then the line's slope: extrapolated along the line from 3
-    tokens (57 ms), 8 read 110 ms and k = 7 was never tried, so never measured; assumed flat, it
-    is tried once and its measure (72 ms) stands from then on. An entry not
+    it interpolates. Beyond the most measured it assumes the same seconds up to TOKEN_BLOCK
+    tokens, then the line's slope: extrapolated along the line from 3 tokens (57 ms), 8 read
+    110 ms and k = 7 was never tried, so never measured; assumed flat, it is tried once and its
+    measure (72 ms) stands from then on. Not past 8 tokens: 16 streams' 16-token step assumed
+    flat to 24 made a batch of first drafts look free. An entry not
     measured for `window` steps is dropped (the context grew; a slow step's outlier is tried
     again)."""
 
@@ -114,9 +116,7 @@ class StepCostModel:
         if at == 0:  # below the fewest measured: the line's slope from there
             slope = self.fitted(num_rows, num_tokens) - self.fitted(num_rows, tokens[0])
             return max(shapes[tokens[0]][0] + slope, 0.0)
-        most = tokens[-1]  # beyond the most measured: flat to the end of the next lane block
-        block_end = (most // TOKEN_BLOCK + 1) * TOKEN_BLOCK
-        beyond = self.fitted(num_rows, max(num_tokens, block_end)) - self.fitted(
-            num_rows, block_end
-        )
+        most = tokens[-1]  # beyond the most measured: flat to TOKEN_BLOCK tokens, then the line
+        flat_to = max(most, TOKEN_BLOCK)
+        beyond = self.fitted(num_rows, max(num_tokens, flat_to)) - self.fitted(num_rows, flat_to)
         return shapes[most][0] + beyond
