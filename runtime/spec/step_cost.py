@@ -25,10 +25,12 @@ class StepCostModel:
     8 tokens at 90 ms and k = 7 never paid. So each (rows, tokens) keeps a moving average of its
     measured seconds, which predict() returns; between two measured token counts of the same rows
     it interpolates. Beyond the most measured it assumes the same seconds up to TOKEN_BLOCK
-    tokens, then the line's slope: extrapolated along the line from 3 tokens (57 ms), 8 read
-    110 ms and k = 7 was never tried, so never measured; assumed flat, it is tried once and its
-    measure (72 ms) stands from then on. Not past 8 tokens: 16 streams' 16-token step assumed
-    flat to 24 made a batch of first drafts look free. An entry not
+    tokens, then the line's slope, or the line where that is less: extrapolated along the line
+    from 3 tokens (57 ms), 8 read 110 ms and k = 7 was never tried, so never measured; assumed
+    flat, it is tried once and its measure (72 ms) stands from then on. Not past 8 tokens: 16
+    streams' 16-token step assumed flat to 24 made a batch of first drafts look free. And never
+    above the line: anchored at 4 streams' measured 8-token step, 4 rows of 7 drafts were priced
+    out where the line (the previous rule) had them pay (1.41x against 1.74x). An entry not
     measured for `window` steps is dropped (the context grew; a slow step's outlier is tried
     again)."""
 
@@ -116,7 +118,7 @@ class StepCostModel:
         if at == 0:  # below the fewest measured: the line's slope from there
             slope = self.fitted(num_rows, num_tokens) - self.fitted(num_rows, tokens[0])
             return max(shapes[tokens[0]][0] + slope, 0.0)
-        most = tokens[-1]  # beyond the most measured: flat to TOKEN_BLOCK tokens, then the line
-        flat_to = max(most, TOKEN_BLOCK)
+        most = tokens[-1]  # beyond the most measured: flat to TOKEN_BLOCK tokens, then its slope,
+        flat_to = max(most, TOKEN_BLOCK)  # or the line itself where that is less
         beyond = self.fitted(num_rows, max(num_tokens, flat_to)) - self.fitted(num_rows, flat_to)
-        return shapes[most][0] + beyond
+        return min(shapes[most][0] + beyond, self.fitted(num_rows, num_tokens))
