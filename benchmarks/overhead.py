@@ -164,7 +164,9 @@ def engine_flags(config) -> list[str]:
         value = getattr(config, action.dest, None)
         if value is None or not action.option_strings:
             continue
-        if action.nargs == 0:  # a switch (store_true / store_false): given when it applies
+        if isinstance(action, argparse.BooleanOptionalAction):  # --name / --no-name
+            flags.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # a switch (store_true / store_false): given when it applies
             flags += [action.option_strings[0]] if value == action.const else []
         else:
             flags.append(f"{action.option_strings[0]}={value}")

@@ -177,7 +177,10 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="as `conveyor serve --model` (default model)")
     p.add_argument("--speculative", default="ngram", choices=["ngram", "draft"])
     p.add_argument("--draft-model", default=None)
-    p.add_argument("--draft-prompt-lookup", action="store_true", help="as `conveyor serve`'s")
+    p.add_argument(
+        "--draft-prompt-lookup", action=argparse.BooleanOptionalAction, default=None,
+        help="as `conveyor serve`'s (default: its default)",
+    )  # fmt: skip
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -194,8 +197,9 @@ def register(sub) -> None:
 
 def cmd_spec_sweep(args: argparse.Namespace) -> int:
     fields = {"speculative": args.speculative, "draft_model": args.draft_model,
-              "num_speculative_tokens": args.num_speculative_tokens,
-              "draft_prompt_lookup": args.draft_prompt_lookup}  # fmt: skip
+              "num_speculative_tokens": args.num_speculative_tokens}  # fmt: skip
+    if args.draft_prompt_lookup is not None:
+        fields["draft_prompt_lookup"] = args.draft_prompt_lookup
     if args.model:
         fields["model"] = args.model
     engine = Engine(EngineConfig(**fields))

@@ -137,10 +137,12 @@ class EngineConfig(BaseModel):
         "with the target's tokenizer",
     )
     draft_prompt_lookup: bool = Field(
-        False,
+        True,
         description="--speculative draft: a row whose last 3 or more tokens occurred before "
         "drafts the tokens that followed them (prompt lookup, free), the draft model only where "
-        "no such match is found",
+        "no such match is found (on by default: Qwen2.5-Coder-1.5B's copy 2.60x against 1.46x "
+        "with the model alone, chat alike, on a Zen 5)",
+        json_schema_extra={"negatable": True},
     )
     draft_vocab_size: int = Field(
         32768,

@@ -2,7 +2,9 @@
 bounds, choices, default, help) serves the model, its flags and its environment variables.
 
 A field becomes `--field-name` (`json_schema_extra={"flag": ...}` renames it). A boolean that
-defaults to True becomes a `--no-…` switch, one that defaults to False a plain switch. A
+defaults to True becomes a `--no-…` switch, one that defaults to False a plain switch; with
+`json_schema_extra={"negatable": True}` it takes both `--field-name` and `--no-field-name` (a
+default that changed, whose old switch scripts still pass). A
 `Literal` gives the flag its choices; `json_schema_extra={"lowercase": True}` folds the value to
 lower case first.
 """
@@ -41,6 +43,9 @@ def add_flag(group, name: str, info: FieldInfo, defaults: bool) -> None:
     else:
         options["default"] = argparse.SUPPRESS
     kind = unwrap_optional(info.annotation)
+    if kind is bool and extra.get("negatable"):
+        group.add_argument("--" + kebab(name), action=argparse.BooleanOptionalAction, **options)
+        return
     if kind is bool:
         switch_off = info.default is True
         flag = extra.get("flag") or ("--no-" if switch_off else "--") + kebab(name)

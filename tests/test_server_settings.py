@@ -120,6 +120,14 @@ def test_flag_beats_environment_beats_default(monkeypatch):
     assert serve_settings("--no-prefix-caching").enable_prefix_caching is False
 
 
+def test_a_negatable_switch_takes_both_spellings():
+    """--draft-prompt-lookup became the default: --no-draft-prompt-lookup turns it off, and
+    the old switch still parses (scripts that pass it keep working)."""
+    assert serve_settings().draft_prompt_lookup is True
+    assert serve_settings("--no-draft-prompt-lookup").draft_prompt_lookup is False
+    assert serve_settings("--draft-prompt-lookup").draft_prompt_lookup is True
+
+
 @pytest.mark.parametrize(
     "variable, value, field, expected",
     [
