@@ -175,13 +175,14 @@ class SpeculationPolicy:
         if it fails (a draft model's token and a verify row, 0.77 of a plain step on a Zen 5),
         and without it a request whose planned rate is cautious gathers no evidence (a copy's
         first request on a Zen 5 stayed at k = 0 after three drafts accepted: 0.92, planned at
-        0.81). The margin keeps a draft that only breaks even at the rate from being made. Drafts are taken one at a time, the best value
-        first (expected gain a^j over what it adds: a verify token and the proposer's seconds),
-        and the best prefix of that order wins, not the first whose next draft lowers the
-        goodput: a CPU step costs the same for 5 to 8 tokens, so 7 drafts can pay where 2 do not
-        (Qwen2.5-Coder-1.5B at one stream, its draft model's tokens included: 1 draft, 2 tokens
-        in 53 ms; 2 drafts, 3 in 82; 7 drafts, 8 in 156). The search stops where even free
-        drafts could not beat the best."""
+        0.81). The margin keeps a draft that only breaks even at the rate from being made.
+
+        Drafts are taken one at a time, the best value first (expected gain a^j over what it
+        adds: a verify token and the proposer's seconds), and the best prefix of that order
+        wins, not the first whose next draft lowers the goodput: a CPU step costs the same for
+        5 to 8 tokens, so 7 drafts can pay where 2 do not (Qwen2.5-Coder-1.5B at one stream, its
+        draft model's tokens included: 1 draft, 2 tokens in 53 ms; 2 drafts, 3 in 82; 7 drafts,
+        8 in 156). The search stops where even free drafts could not beat the best."""
         token_seconds = max(self.cost.coefficients()[2], 1e-6)
         ks = dict.fromkeys((i for i, *_ in drafts), 0)
         caps = {i: cap for i, cap, *_ in drafts}
