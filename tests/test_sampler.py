@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_sampling_support import apply_penalties, sample, top_k_top_p_candidates
 
+from runtime.sampling.ops import CDF_BLOCK, draw_from_probs
 from runtime.sampling.plan import SamplerOutput, TokenLogprobs
 from runtime.sampling.sampler import Sampler
 from scheduler.request import Request, SamplingParams
@@ -105,6 +106,34 @@ def test_temperature_frequencies_match_softmax():
         p = expected[token].item()
         tolerance = 5 * math.sqrt(p * (1 - p) / num_draws)  # five standard errors
         assert abs(counts[token] / num_draws - p) < tolerance, (token, counts[token], p)
+
+
+@pytest.mark.parametrize("num_columns", [5, CDF_BLOCK, 2 * CDF_BLOCK + 300])
+def test_inverse_cdf_frequencies_match_the_probs_across_blocks(num_columns):
+    """Mass in the first, a middle and the last (short) block, zeros between: the draws follow
+    the probs (five standard errors), and none lands on a column of zero probability."""
+    probs = torch.zeros(1, num_columns)
+    columns = sorted({0, num_columns // 2, num_columns - 1, min(3, num_columns - 1)})
+    probs[0, columns] = torch.tensor([4.0, 2.0, 1.0, 0.5][: len(columns)])
+    num_draws = 8000
+    uniforms = torch.rand(num_draws, generator=torch.Generator().manual_seed(5))
+    drawn = draw_from_probs(probs.expand(num_draws, -1), uniforms)
+    counts = Counter(drawn.tolist())
+    assert set(counts) <= set(columns)
+    for column in columns:
+        p = (probs[0, column] / probs.sum()).item()
+        tolerance = 5 * math.sqrt(p * (1 - p) / num_draws)
+        assert abs(counts[column] / num_draws - p) < tolerance, (column, counts[column], p)
+
+
+def test_inverse_cdf_extreme_uniforms_pick_columns_that_have_mass():
+    probs = torch.zeros(2, 3 * CDF_BLOCK)
+    probs[0, 7] = 1.0  # the first block's only mass
+    probs[1, 2 * CDF_BLOCK - 1] = 1e-30  # a block's last column, tiny, zeros after it
+    largest_below_one = 1.0 - 2.0**-24
+    for uniform in (0.0, largest_below_one):
+        drawn = draw_from_probs(probs, torch.tensor([uniform, uniform])).tolist()
+        assert drawn == [7, 2 * CDF_BLOCK - 1], uniform
 
 
 def seeded_tokens(sampler: Sampler, logits_row: torch.Tensor, others: int, position: int) -> int:

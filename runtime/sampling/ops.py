@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 CANDIDATE_STAGES = (256, 4096)  # top-k/top-p look at this many best tokens, then the whole vocab
+CDF_BLOCK = 1024  # draw_from_probs: columns a block of the first level
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -31,6 +32,40 @@ def _block_width(n: int) -> int:
         if n % block == 0 and n // block >= 8:
             return block
     return 0
+
+
+def draw_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs: [num_rows, n] >= 0, not normalised, each row some mass; uniforms: [num_rows]
+    float32 in [0, 1). -> [num_rows] int64: column i with probability probs[i] / the row's mass,
+    the first whose cumulative mass exceeds uniform * mass (the inverse CDF: one uniform a
+    token). Two levels, so that no pass over the row is sequential: the mass of each block of
+    CDF_BLOCK columns (float32 sums), their running total in float64, then the running total
+    inside the one block the uniform lands in, rescaled to that block's sum. Never a column of
+    zero probability (a rounding that overshoots takes the block's last positive column)."""
+    num_rows, n = probs.shape
+    block = min(CDF_BLOCK, n)
+    whole = n // block * block
+    sums = probs[:, :whole].reshape(num_rows, -1, block).sum(dim=-1)  # [num_rows, blocks]
+    if whole < n:
+        sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    sums = sums.double()
+    cumulative = sums.cumsum(dim=-1)  # [num_rows, num_blocks]
+    target = uniforms.double() * cumulative[:, -1]  # [num_rows], below the row's mass
+    chosen = _first_above(cumulative, target).clamp_(max=sums.shape[1] - 1)[:, None]
+    landed = cumulative.gather(1, chosen) - sums.gather(1, chosen)  # mass before the block
+    share = ((target[:, None] - landed) / sums.gather(1, chosen)).clamp_(0.0, 1.0)
+    columns = chosen * block + torch.arange(block, device=probs.device)  # [num_rows, block]
+    values = probs.gather(1, columns.clamp(max=n - 1)) * (columns < n)
+    inside = values.double().cumsum(dim=-1)  # [num_rows, block]
+    picked = _first_above(inside, (share * inside[:, -1:]).squeeze(1))
+    last_positive = ((values > 0) * torch.arange(1, block + 1, device=probs.device)).amax(-1) - 1
+    return chosen.squeeze(1) * block + torch.where(picked < block, picked, last_positive)
+
+
+def _first_above(cumulative: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """cumulative: [num_rows, n] non-decreasing; target: [num_rows]. -> [num_rows] int64, the
+    first column above the target (n where none is)."""
+    return torch.searchsorted(cumulative, target[:, None].contiguous(), right=True).squeeze(1)
 
 
 @dataclass

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampling.ops import argmax, prepare_candidates
+from runtime.sampling.ops import argmax, draw_from_probs, prepare_candidates
 from runtime.sampling.plan import filter_settings, param_rows
 from scheduler.request import SamplingParams
-
-TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -108,22 +106,22 @@ class RejectionSampler:
         return dict(zip(random_rows, split))
 
     def _rejection_sample(self, p: torch.Tensor, row: VerifyRow) -> tuple[int, list[int]]:
-        """p: [k + 1, vocab] target distributions of one row. Draws k uniforms, then one vocab
-        of Exp(1) noise for the last token (the exponential race, as the sampler draws)."""
+        """p: [k + 1, vocab] target distributions of one row. Draws k + 1 uniforms: one per
+        draft to accept it, the last to draw the final token (the inverse CDF, as the sampler
+        draws)."""
         drafts = torch.tensor(list(row.draft_token_ids), dtype=torch.long, device=p.device)
         k = drafts.shape[0]
         generator = self._generator(row, p.device)
-        uniforms = torch.rand(k, generator=generator, device=p.device)
+        uniforms = torch.rand(k + 1, generator=generator, device=p.device)
         target_of_draft = p[:k].gather(1, drafts[:, None]).squeeze(1)  # [k]
         if row.draft_probs is None:  # prompt lookup: q is a point mass, q(d) = 1
-            accepted = uniforms < target_of_draft
+            accepted = uniforms[:k] < target_of_draft
         else:
             draft_of_draft = row.draft_probs.gather(1, drafts[:, None]).squeeze(1)  # [k]
-            accepted = uniforms * draft_of_draft < target_of_draft  # u < min(1, p / q)
+            accepted = uniforms[:k] * draft_of_draft < target_of_draft  # u < min(1, p / q)
         num_accepted = k if bool(accepted.all()) else int((~accepted).int().argmax())
         last_probs = p[k] if num_accepted == k else self._residual(p, row, drafts, num_accepted)
-        noise = torch.empty(self.vocab_size, device=p.device).exponential_(generator=generator)
-        last = int((last_probs / noise.clamp_(min=TINY)).argmax())
+        last = int(draw_from_probs(last_probs[None], uniforms[k:])[0])
         return num_accepted, [*drafts[:num_accepted].tolist(), last]
 
     def _residual(self, p, row: VerifyRow, drafts, position: int) -> torch.Tensor:
