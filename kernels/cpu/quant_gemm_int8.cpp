@@ -13,7 +13,8 @@
 // with AVX2), so that 4 codes of a weight row are one broadcast and no weights are transposed.
 // Each thread takes a run of weight rows, kColumns at a time: unpacked to their codes (in L1),
 // then multiplied by every row of x, kRowBlocks row blocks a step (AVX-512: 6 weight rows and 2
-// row blocks, 12 chains of vpdpbusd, enough to hide its latency; 4 rows: half the rate).
+// row blocks, 12 chains of vpdpbusd, enough to hide its latency; 4 rows: half the rate; AVX2: 2
+// row blocks, 2 of the tile's 4 weight rows at a time).
 // Oracle: tests/test_quant_kernels.py (x rounded as here, gguf-py's dequantize, float64).
 
 #include <ATen/Parallel.h>
@@ -144,22 +145,24 @@ void unpack_row(const uint8_t* wrow, int64_t in, int64_t o, Tile& tile) {
   });
 }
 
-// out[rb][j][lane] = row (b0 + rb) * kLanes + lane of x . the tile's weight row j, for RB row
-// blocks. Registers (AVX-512): 12 integer chains and 12 float sums (RB 2); the group of x's steps
-// and the sub-block are compile-time (a division by a run-time group was two idivs a sub-block),
-// and each sub-block adds straight into the float sums (a second set of 12 partial sums spilled)
-template <typename L, int64_t kType, int RB, typename T>
-void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t in, const Ahead& ahead,
-                   T out[RB][L::kColumns][L::kLanes]) {
+// out[rb][j][lane] = row (b0 + rb) * kLanes + lane of x . the tile's weight row j0 + j, for RB row
+// blocks and kColumns weight rows. Registers (AVX-512): 12 integer chains and 12 float sums (RB 2);
+// the group of x's steps and the sub-block are compile-time (a division by a run-time group was two
+// idivs a sub-block), and each sub-block adds straight into the float sums (a second set of 12
+// partial sums spilled)
+template <typename L, int64_t kType, int RB, int kColumns, typename T>
+void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t j0, int64_t in, const Ahead& ahead,
+                   T out[RB][kColumns][L::kLanes]) {
   using Ints = typename L::Ints;
   using Floats = typename L::Floats;
-  constexpr int kLanes = L::kLanes, kColumns = L::kColumns;
+  constexpr int kLanes = L::kLanes;
   constexpr int kSub = kSubValues<kType>, kSubsPerGroup = kGroup / kSub, kChunk = 4 * kChunkSteps<kType>;
   const int64_t subs = in / kSub, groups = in / kGroup;
   Floats y[RB][kColumns];
   for (int rb = 0; rb < RB; ++rb)
     for (int j = 0; j < kColumns; ++j) y[rb][j] = L::zero_floats();
-  const uint8_t* w = tile.codes.data();
+  const uint8_t* w = tile.codes.data() + j0 * in;
+  const float *w_scales = tile.scales.data() + j0 * subs, *w_offsets = tile.offsets.data() + j0 * subs;
   const int64_t share = ahead.size ? ahead.share_of(subs) : 0;
   for (int64_t s = 0; s < subs; ++s) {
     if (share) ahead.fetch_part(s, share, true);
@@ -190,12 +193,12 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
     for (int rb = 0; rb < RB; ++rb) {
       const Floats step = L::load_floats(x.steps.data() + ((b0 + rb) * groups + g) * kLanes);
       for (int j = 0; j < kColumns; ++j)
-        y[rb][j] = L::fmadd(L::mul(L::floats_of(sums[rb][j]), step), L::splat(tile.scales[j * subs + s]), y[rb][j]);
+        y[rb][j] = L::fmadd(L::mul(L::floats_of(sums[rb][j]), step), L::splat(w_scales[j * subs + s]), y[rb][j]);
     }
     if constexpr (kFloatOffset<kType>) {
       for (int rb = 0; rb < RB; ++rb) {
         const Floats offsets = L::load_floats(x.sums.data() + ((b0 + rb) * subs + s) * kLanes);
-        for (int j = 0; j < kColumns; ++j) y[rb][j] = L::fmadd(offsets, L::splat(tile.offsets[j * subs + s]), y[rb][j]);
+        for (int j = 0; j < kColumns; ++j) y[rb][j] = L::fmadd(offsets, L::splat(w_offsets[j * subs + s]), y[rb][j]);
       }
     }
   }
@@ -203,17 +206,23 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
     for (int j = 0; j < kColumns; ++j) L::store_lanes(y[rb][j], out[rb][j]);
 }
 
-// y[rows, out] of the tile's `count` weight rows, from o0
+// y[rows, out] of the tile's `count` weight rows, from o0: kColumns of them a product (with 2 row
+// blocks L::kPairColumns)
 template <typename L, int64_t kType, int RB, typename T>
 void store_blocks(const QuantizedRows& x, int64_t b0, const Tile& tile, const Ahead& ahead, int64_t count, int64_t in,
                   int64_t rows, T* y, int64_t out, int64_t o0) {
-  T results[RB][L::kColumns][L::kLanes];
-  block_product<L, kType, RB>(x, b0, tile, in, ahead, results);
-  for (int rb = 0; rb < RB; ++rb) {
-    for (int lane = 0; lane < L::kLanes; ++lane) {
-      const int64_t r = (b0 + rb) * L::kLanes + lane;
-      if (r >= rows) break;
-      for (int j = 0; j < count; ++j) y[r * out + o0 + j] = results[rb][j][lane];
+  constexpr int kColumns = RB == 2 ? L::kPairColumns : L::kColumns;
+  static_assert(L::kColumns % kColumns == 0);
+  for (int64_t j0 = 0; j0 < count; j0 += kColumns) {
+    T results[RB][kColumns][L::kLanes];
+    block_product<L, kType, RB, kColumns>(x, b0, tile, j0, in, j0 == 0 ? ahead : Ahead{}, results);
+    const int64_t columns = std::min<int64_t>(kColumns, count - j0);
+    for (int rb = 0; rb < RB; ++rb) {
+      for (int lane = 0; lane < L::kLanes; ++lane) {
+        const int64_t r = (b0 + rb) * L::kLanes + lane;
+        if (r >= rows) break;
+        for (int j = 0; j < columns; ++j) y[r * out + o0 + j0 + j] = results[rb][j][lane];
+      }
     }
   }
 }
