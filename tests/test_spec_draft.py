@@ -284,7 +284,8 @@ def test_the_draft_cost_is_measured_on_steady_steps_only(tiny_cached):
     proposer.propose_rows([request], [4])
     steady = cost.seconds_per_token
     assert steady > 0.0
-    assert proposer.draft_work(request) == DraftWork(by_model=True)  # a steady row
+    work = proposer.draft_work(request)
+    assert work.by_model and work.catch_up_tokens == 0  # a steady row
     request.output_token_ids += [11, 12, 13, 14, 15]  # steps without drafts
     behind = request.num_tokens - proposer.rows["steady"].num_valid(request.all_token_ids)
     assert proposer.draft_work(request).catch_up_tokens == behind - 2 > 0  # beyond a steady 2
@@ -293,6 +294,20 @@ def test_the_draft_cost_is_measured_on_steady_steps_only(tiny_cached):
     assert cost.seconds_per_catch_up_token != steady  # that call priced a catch-up token
     assert proposer.draft_work(Request("new", [7, 8, 9])).catch_up_tokens == 0  # a one-off
     proposer.release("steady")
+
+
+def test_the_model_alone_says_which_rows_text_repeats(tiny_cached):
+    """Without the lookup the model drafts every row, and draft_work says whether the row's
+    last 3 tokens occurred before: the policy plans those drafts at the mean rate."""
+    proposer = DraftModelProposer(tiny_cached.speculator.proposer.draft, 4)
+    phrase = [21, 22, 23, 24]
+    request = Request("r", [5, 6, *phrase, 9, 10, 30, 31])
+    assert proposer.draft_work(request) == DraftWork(by_model=True)
+    request.output_token_ids += phrase[:2]  # two tokens: not yet a repeat
+    assert not proposer.draft_work(request).repeats
+    request.output_token_ids += phrase[2:3]
+    assert proposer.draft_work(request) == DraftWork(by_model=True, repeats=True)
+    proposer.release("r")
 
 
 def test_prompt_lookup_drafts_first_and_the_model_where_nothing_matches(tiny_cached):

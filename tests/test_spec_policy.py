@@ -337,6 +337,25 @@ def test_a_draft_that_barely_pays_waits_for_evidence_of_its_own():
     assert policy.choose([RowCandidate("copy", 10)], 1, 1, token_budget_left=100)[0] > 0
 
 
+def test_a_row_whose_text_repeats_is_planned_at_its_mean_rate():
+    """Two acceptances leave a barely paying model draft at k = 0 (planned at the cautious
+    rate), unless the row's last tokens occurred before: a copy, which the draft model copies
+    too (a copy's first request stayed at k = 0 for 64 steps on an AVX2 build)."""
+    policy = costly_draft_policy()
+    for _ in range(60):
+        policy.observe("copying", 5, 5)
+    for _ in range(2):
+        policy.observe("opening", 1, 1)
+    row = [RowCandidate("opening", 10)]
+
+    def choose(repeats: bool) -> int:
+        work = DraftWork(by_model=True, repeats=repeats)
+        return policy.choose(row, 1, 1, token_budget_left=100, work=lambda i: work)[0]
+
+    assert choose(repeats=False) == 0
+    assert choose(repeats=True) > 0
+
+
 def test_prompt_lookups_drafts_are_planned_at_the_mean():
     """A draft with no forward pass costs its verify row alone (here a sixth of a step): a
     request probes from a low engine rate and again after a failure, where the cautious rate

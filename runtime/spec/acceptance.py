@@ -78,16 +78,20 @@ class AcceptanceTracker:
         evidence = self._trials.get(request_id, (0.0, 0.0))[1] + self.prior_weight
         return max(0.0, rate - math.sqrt(rate * (1.0 - rate) / (evidence + 1.0)))
 
-    def planned_rate(self, request_id: str, by_model: bool) -> float:
-        """The rate the policy plans a request's drafts with: rate(), but cautious_rate() for a
-        draft model's drafts once the request has evidence of its own. Such a draft (a draft
-        token and its verify row: 0.98 of Qwen2.5-Coder-1.5B's step on a CPU) pays only where
-        nearly every draft is accepted, and a few acceptances (a story's stock opening) are no
-        evidence of that. Its first probe (one draft, probe_cap) explores at the mean. Prompt
-        lookup's drafts cost a verify row each, a third of SmolLM2's step: planned at the mean, so
-        that a request probes from a low engine rate and ramps up as its drafts land (SmolLM2's
-        json after a copy workload whose drafts failed: 1.70x at the mean, 0.99x cautious)."""
-        if by_model and request_id in self._trials:
+    def planned_rate(self, request_id: str, cautious: bool) -> float:
+        """The rate the policy plans a request's drafts with: rate(), but cautious_rate() where
+        asked (a draft model's drafts on text that does not repeat itself) once the request has
+        evidence of its own. Such a draft (a draft token and its verify row: 0.98 of
+        Qwen2.5-Coder-1.5B's step on a CPU) pays only where nearly every draft is accepted, and a
+        few acceptances (a story's stock opening) are no evidence of that. Its first probe (one
+        draft, probe_cap) explores at the mean. Text whose last tokens occurred before is being
+        copied, and the draft model copies too: planned at the mean (a copy's first request,
+        cautious at 0.81 after three drafts accepted, stayed at k = 0 for 64 steps on an AVX2
+        build). Prompt lookup's drafts cost a verify row each, a third of SmolLM2's step: planned
+        at the mean, so that a request probes from a low engine rate and ramps up as its drafts
+        land (SmolLM2's json after a copy workload whose drafts failed: 1.70x at the mean, 0.99x
+        cautious)."""
+        if cautious and request_id in self._trials:
             return self.cautious_rate(request_id)
         return self.rate(request_id)
 

@@ -24,11 +24,12 @@ import torch
 
 from runtime.spec.draft_model import Chunk, DraftModel
 from runtime.spec.policy import NO_DRAFT_WORK, DraftCost, DraftWork
-from runtime.spec.proposer import NgramProposer, TokenHistories
+from runtime.spec.proposer import NgramConfig, NgramProposer, TokenHistories
 from scheduler.block_pool import chain_hashes
 from scheduler.request import Request
 
 STEADY_CATCH_UP = 2  # tokens a row catches up on after a verify (see _observe_cost)
+DRAFT_LOOKUP_MIN_NGRAM = 3  # --draft-prompt-lookup: the shortest match that replaces the model
 
 
 @dataclass
@@ -87,6 +88,10 @@ class DraftModelProposer:
         self.cost = cost if cost is not None else DraftCost()
         self.rows: dict[str, DraftRow] = {}  # request id -> its draft cache
         self.lookup = lookup  # prompt lookup tried first (--draft-prompt-lookup)
+        # whether a row's text repeats (DraftWork.repeats): the lookup's match, or one as short
+        self.repeats = lookup or NgramProposer(
+            NgramConfig(DRAFT_LOOKUP_MIN_NGRAM, DRAFT_LOOKUP_MIN_NGRAM, num_speculative_tokens)
+        )
         self.histories = TokenHistories()  # the rows' tokens for the lookup
 
     def propose_rows(
@@ -109,15 +114,18 @@ class DraftModelProposer:
         """No forward pass where prompt lookup would serve the row's drafts. Otherwise the
         model's, and first the tokens the row's draft cache must compute beyond the one or two a
         steady step's rows catch up on: what a row back after steps at k = 0 costs more; none
-        for a row without a cache yet (its prompt: a one-off, mostly in the prefix cache)."""
+        for a row without a cache yet (its prompt: a one-off, mostly in the prefix cache).
+        Whether the row's last tokens occurred before (without the lookup: the model drafts)."""
         if self._looked_up(request, 1) is not None:
             return NO_DRAFT_WORK
+        repeats = self.lookup is None and self.repeats.match_start(self.histories.of(request)) >= 0
         row = self.rows.get(request.request_id)
         if row is None:
-            return DraftWork(by_model=True)
+            return DraftWork(by_model=True, repeats=repeats)
         token_ids = request.all_token_ids
         behind = len(token_ids) - row.catch_up_start(token_ids)
-        return DraftWork(by_model=True, catch_up_tokens=max(behind - STEADY_CATCH_UP, 0))
+        catch_up = max(behind - STEADY_CATCH_UP, 0)
+        return DraftWork(by_model=True, catch_up_tokens=catch_up, repeats=repeats)
 
     def _looked_up(self, request: Request, k: int) -> list[int] | None:
         """The k tokens that followed an earlier occurrence of the row's last tokens, or None."""

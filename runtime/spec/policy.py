@@ -86,10 +86,13 @@ class DraftCost:
 class DraftWork:
     """What a row's drafts cost its proposer: a forward pass of the draft model per draft
     (by_model), and first the tokens its draft cache lacks beyond a steady step's (a row back
-    after steps at k = 0 catches up on all of them). Prompt lookup: neither."""
+    after steps at k = 0 catches up on all of them). Prompt lookup: neither. repeats: the row's
+    last tokens occurred earlier in its text (it copies), so a draft model's drafts are planned
+    at the mean rate, not the cautious one (AcceptanceTracker.planned_rate)."""
 
     by_model: bool
     catch_up_tokens: int = 0
+    repeats: bool = False
 
 
 NO_DRAFT_WORK = DraftWork(by_model=False)
@@ -144,7 +147,7 @@ class SpeculationPolicy:
         price = self._pricer(work)  # asked of these rows only: a lookup, a catch-up count
         drafts = []
         for i in may_draft:
-            planned = self.acceptance.planned_rate(rows[i].request_id, by_model=price(i)[0] > 0.0)
+            planned = self.acceptance.planned_rate(rows[i].request_id, cautious=price(i)[2])
             first = max(self.acceptance.rate(rows[i].request_id) - FIRST_DRAFT_MARGIN, planned)
             drafts.append((i, caps[i], first, planned))
         taken = self._best_drafts(drafts, price, num_rows, num_tokens, token_budget_left)
@@ -190,7 +193,7 @@ class SpeculationPolicy:
         rates = {i: rate for i, *_, rate in drafts}
 
         def entry(i: int, gain: float) -> tuple[float, int, float, float]:
-            per_draft, catch_up = price(i)
+            per_draft, catch_up, _ = price(i)
             added = per_draft + (catch_up if ks[i] == 0 else 0.0)
             return -gain / (token_seconds + added), i, gain, added
 
@@ -232,22 +235,25 @@ class SpeculationPolicy:
 
     def _pricer(
         self, work: Callable[[int], DraftWork] | None
-    ) -> Callable[[int], tuple[float, float]]:
-        """Row i -> (seconds per draft, seconds of its first draft's catch-up), in the draft
-        model's measured seconds; (0, 0) without one, or where its drafts need no forward pass."""
+    ) -> Callable[[int], tuple[float, float, bool]]:
+        """Row i -> (seconds per draft, seconds of its first draft's catch-up, whether its
+        drafts are planned at the cautious rate), in the draft model's measured seconds; (0, 0,
+        False) without one, or where its drafts need no forward pass. Cautious: a draft model's
+        drafts on text that does not repeat itself."""
         if self.draft_cost is None:
-            return lambda i: (0.0, 0.0)
+            return lambda i: (0.0, 0.0, False)
         per_draft = self.draft_cost.seconds_per_token
         per_catch_up = self.draft_cost.seconds_per_catch_up_token
         if work is None:
-            return lambda i: (per_draft, 0.0)
-        priced: dict[int, tuple[float, float]] = {}
+            return lambda i: (per_draft, 0.0, True)
+        priced: dict[int, tuple[float, float, bool]] = {}
 
-        def price(i: int) -> tuple[float, float]:
+        def price(i: int) -> tuple[float, float, bool]:
             if i not in priced:
                 row = work(i)
                 seconds_per_draft = per_draft if row.by_model else 0.0
-                priced[i] = (seconds_per_draft, row.catch_up_tokens * per_catch_up)
+                cautious = row.by_model and not row.repeats
+                priced[i] = (seconds_per_draft, row.catch_up_tokens * per_catch_up, cautious)
             return priced[i]
 
         return price

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from runtime.spec.acceptance import AcceptanceTracker
 from runtime.spec.draft_model import load_draft_model
-from runtime.spec.draft_proposer import DraftModelProposer
+from runtime.spec.draft_proposer import DRAFT_LOOKUP_MIN_NGRAM, DraftModelProposer
 from runtime.spec.policy import (
     NO_DRAFT_WORK,
     DraftCost,
@@ -25,7 +25,6 @@ from runtime.spec.step_cost import StepCostModel
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, SamplingParams
 
-DRAFT_LOOKUP_MIN_NGRAM = 3  # --draft-prompt-lookup: the shortest match that replaces the model
 PROBE_MIN_NGRAM = 4  # prompt lookup: the shortest match a forced probe drafts after (SmolLM2's
 # drafts after a match of one token were accepted 7-22 times in 100, two 75-87, four 96-97)
 PROMPT_LOOKUP_PROBE_INTERVAL = 8  # prompt lookup: steps at k = 0 between a row's forced probes
