@@ -78,6 +78,14 @@ def test_top_p_stays_in_the_nucleus():
     assert set(counts) == {0, 1, 2}
 
 
+@pytest.mark.parametrize("top_p", [0.0, 5e-324])
+def test_a_top_p_of_zero_keeps_the_best_token(top_p):
+    """The nucleus always holds the best token: a top_p that rounds to 0 in float32 (the fuzzer's
+    5e-324) left no candidate, and the draw had no mass to land in."""
+    counts = draw_many(Sampler(VOCAB_SIZE, seed=0), crafted_logits(), 50, top_p=top_p)
+    assert set(counts) == {0}
+
+
 def test_min_p_drops_unlikely_tokens():
     # tokens 0..3 have at least 1/8 of the best token's probability, the others 1/16 or less
     counts = draw_many(Sampler(VOCAB_SIZE, seed=0), crafted_logits(), 2000, min_p=0.1)
@@ -134,6 +142,14 @@ def test_inverse_cdf_extreme_uniforms_pick_columns_that_have_mass():
     for uniform in (0.0, largest_below_one):
         drawn = draw_from_probs(probs, torch.tensor([uniform, uniform])).tolist()
         assert drawn == [7, 2 * CDF_BLOCK - 1], uniform
+
+
+def test_a_row_without_mass_gets_a_column_in_range():
+    probs = torch.zeros(3, 2 * CDF_BLOCK + 5)
+    probs[1] = float("nan")
+    probs[2, 9] = 1.0
+    drawn = draw_from_probs(probs, torch.tensor([0.5, 0.5, 0.5])).tolist()
+    assert all(0 <= column < probs.shape[1] for column in drawn) and drawn[2] == 9
 
 
 def seeded_tokens(sampler: Sampler, logits_row: torch.Tensor, others: int, position: int) -> int:

@@ -41,7 +41,8 @@ def draw_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor
     token). Two levels, so that no pass over the row is sequential: the mass of each block of
     CDF_BLOCK columns (float32 sums), their running total in float64, then the running total
     inside the one block the uniform lands in, rescaled to that block's sum. Never a column of
-    zero probability (a rounding that overshoots takes the block's last positive column)."""
+    zero probability (a rounding that overshoots takes the block's last positive column); a row
+    without mass (all zero, NaN) gets a column in range, never an error."""
     num_rows, n = probs.shape
     block = min(CDF_BLOCK, n)
     whole = n // block * block
@@ -59,7 +60,8 @@ def draw_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor
     inside = values.double().cumsum(dim=-1)  # [num_rows, block]
     picked = _first_above(inside, (share * inside[:, -1:]).squeeze(1))
     last_positive = ((values > 0) * torch.arange(1, block + 1, device=probs.device)).amax(-1) - 1
-    return chosen.squeeze(1) * block + torch.where(picked < block, picked, last_positive)
+    picked = torch.where(picked < block, picked, last_positive).clamp_(min=0)  # no mass: 0
+    return chosen.squeeze(1) * block + picked
 
 
 def _first_above(cumulative: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -183,7 +185,7 @@ def keep_top_k_top_p(
     top_k_cuts = top_ks < probs.shape[1]
     mass = torch.where(top_k_cuts, cumulative[:, -1:], total_probs)  # left after top-k
     # Keep a token while the mass of the better ones is below top_p; the best always stays.
-    in_top_p = (cumulative - best_probs < top_ps * mass) | (top_ps >= 1.0)
+    in_top_p = (cumulative - best_probs < top_ps * mass) | (top_ps >= 1.0) | (positions == 0)
     nucleus_closed = cumulative[:, -1:] >= top_ps * mass
     fits = (top_k_cuts | nucleus_closed).all() | (num_candidates == probs.shape[1])
     return Candidates(best_probs * in_top_p, best_ids), fits
