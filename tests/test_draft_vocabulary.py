@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.models.causal_lm import CausalLM
+from runtime.models.layers import CausalLM
 from runtime.models.quant import QuantizedLinear, random_blocks
 from runtime.spec.draft_vocabulary import DraftVocabulary
 

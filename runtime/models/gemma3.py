@@ -10,8 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from runtime.models.attention import ForwardContext
-from runtime.models.causal_lm import CausalLM
-from runtime.models.layers import GatedMLP, PagedAttention, StepModule
+from runtime.models.layers import CausalLM, GatedMLP, PagedAttention, StepModule
 
 
 class Gemma3DecoderLayer(StepModule):

@@ -1,17 +1,29 @@
-"""The layers every family shares, written once: packed linear projections, RMSNorm (plain or
-Gemma's (1 + w)), the gated MLP, attention over the paged KV cache (optional q/k bias and q/k
-RMSNorm, rope from the layer's own table, the layer's sliding window). The causal LM around a
-family's decoder layers is causal_lm.py's."""
+"""What every family shares, written once: packed linear projections, RMSNorm (plain or Gemma's
+(1 + w)), the gated MLP, attention over the paged KV cache (optional q/k bias and q/k RMSNorm,
+rope from the layer's own table, the layer's sliding window), and the causal LM around a
+family's decoder layers (`CausalLM`: scaled embeddings, the final norm, the lm_head with optional
+softcapping, the fused greedy projection, packing, and loading HF weights with q/k/v and
+gate/up fused at load). A family supplies its decoder layer (`make_layer`) and its norm kind."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import reference
+from runtime.models import fused_decode
 from runtime.models.attention import AttentionBackend, ForwardContext
-from runtime.models.config import ModelConfig
+from runtime.models.config import ModelConfig, rope_cos_sin_cache
+from runtime.models.quant import (
+    QuantizedEmbedding,
+    QuantizedSpec,
+    QuantizedTensor,
+    QuantizedWeight,
+    quantized_projection,
+)
 
 GLOBAL_ROPE, LOCAL_ROPE = "global", "local"
 
@@ -158,3 +170,233 @@ class PagedAttention(StepModule):
             sliding_window=self.sliding_window,
         )  # fmt: skip
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+# HF projection -> (our fused projection, which part of it: 0 = first)
+FUSED_PROJECTIONS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _num_parts(path: str) -> int:
+    """How many HF projections make the fused projection at `path` (q/k/v: 3, gate/up: 2)."""
+    fused = [f for f, _ in FUSED_PROJECTIONS.values() if path.endswith(f)]
+    return len(fused) or 1
+
+
+def _quantized_module(path: str, old: nn.Module, parts: dict, dtype) -> nn.Module | None:
+    """parts: {part index: (HF name, spec)} of the module at `path`; None: keep it in floats
+    (a part of a type without a kernel, say F16, in a fused projection)."""
+    if isinstance(old, nn.Embedding):
+        ((_, spec),) = parts.values()
+        return QuantizedEmbedding(None, *spec, dtype=dtype)
+    if len(parts) != _num_parts(path):
+        return None
+    ordered = [parts[i][1] for i in sorted(parts)]
+    return quantized_projection(
+        [(spec.ggml_type, spec.out_features) for spec in ordered],
+        old.in_features,
+        old.bias is not None,
+    )
+
+
+class CausalLM(nn.Module):
+    norm_unit_offset = False  # Gemma: every RMSNorm weight is stored as w - 1
+    # --quantized-activations auto: 8-bit activations for many rows where they keep the
+    # teacher-forced perplexity within 0.5% of float32 (benchmarks/quant_accuracy.py)
+    int8_activations_by_default = True
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_layers))
+        self.norm = self.make_norm(config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.register_buffer("local_cos_sin_cache", torch.empty(0), persistent=False)
+        self.packed_embedding: torch.Tensor | None = None  # tied lm_head, when packed
+        # (hidden, weight) -> ids: argmax over the vocabulary without the logits (native, CPU)
+        self.greedy_projection = None
+        self.quantized_names: frozenset[str] = frozenset()  # parameters loaded as GGUF blocks
+        self.fused_layers: list[fused_decode.FusedLayer | None] = []  # fuse_decode_layers
+
+    def make_layer(self, layer_index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_norm(self, size: int) -> RMSNorm:
+        c = self.config
+        return RMSNorm(size, c.rms_norm_eps, self.backend.kernels, self.norm_unit_offset)
+
+    def build_rope(self, device) -> None:
+        """The rope tables: the full layers' and, where sliding layers have their own, theirs."""
+        c, n = self.config, self.config.max_position_embeddings
+        self.cos_sin_cache = rope_cos_sin_cache(c, n).to(device)
+        if c.has_local_rope:
+            self.local_cos_sin_cache = rope_cos_sin_cache(c, n, local=True).to(device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        if self.config.embedding_scale != 1.0:
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        tables = {GLOBAL_ROPE: self.cos_sin_cache, LOCAL_ROPE: self.local_cos_sin_cache}
+        for name, table in tables.items():
+            if table.numel():
+                self.backend.prepare_rotary(ctx, positions, table, x.dtype, name)
+        residual = None
+        fused, matmul = self._fused_for(ctx, x)
+        for layer, fused_layer in zip(self.layers, fused):
+            if fused_layer is None:
+                x, residual = layer(positions, x, residual, tables, ctx)
+            else:
+                x, residual = fused_layer(x, residual, ctx, matmul)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def fuse_decode_layers(self) -> None:
+        """After loading, on CPU with the native kernels: the layers that fit run a decode step
+        as one native call each (runtime/models/fused_decode.py)."""
+        self.fused_layers = [fused_decode.FusedLayer.of(layer) for layer in self.layers]
+
+    def _fused_for(self, ctx: ForwardContext, x: torch.Tensor) -> tuple[list, str | None]:
+        """Each layer's fused form where this step may use it, else None; and the GGUF matmul
+        the fused layers call."""
+        first = next((f for f in self.fused_layers if f is not None), None)
+        matmul = (
+            None if first is None else fused_decode.step_matmul(ctx, x, self.backend, first.dtype)
+        )
+        if matmul is None:
+            return [None] * len(self.layers), None
+        return self.fused_layers, matmul
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_seqs, hidden] -> logits [num_seqs, vocab] float32."""
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden).float()
+        elif isinstance(self.embed_tokens, QuantizedEmbedding):
+            logits = self.embed_tokens.matmul(hidden).float()
+        elif self.packed_embedding is not None:
+            logits = packed_linear(hidden, self.packed_embedding, None).float()
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_seqs, hidden] -> [num_seqs] int64, the first index of each row's largest
+        logit, as compute_logits(hidden).argmax(-1) but without writing the logits (softcapping
+        is monotonic: it keeps the argmax)."""
+        # the weight: [vocab, hidden], row-major
+        return self.greedy_projection(hidden, self.output_projection.weight)
+
+    def pack_linears(self) -> None:
+        """After loading, on CPU in float32: every projection and the lm_head run on packed
+        weights (the embedding keeps its plain copy for lookups; so does an untied lm_head where
+        the greedy projection reads it)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(
+                    keep_weight=module is self.lm_head and self.greedy_projection is not None
+                )
+        if self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding):
+            self.packed_embedding = pack_weight(self.embed_tokens.weight)
+
+    def weight_bytes_per_token(self) -> int:
+        """Weight bytes a decode step reads at batch 1: every projection and the output
+        projection as held (GGUF blocks or floats); the embedding lookup reads a row."""
+        itemsize = self.norm.weight.dtype.itemsize
+        total = 0
+        for module in self.modules():
+            if isinstance(module, QuantizedWeight) and module is not self.embed_tokens:
+                total += module.weight_nbytes
+            elif isinstance(module, Linear):
+                total += module.in_features * module.out_features * itemsize
+        if self.lm_head is None and isinstance(self.embed_tokens, QuantizedWeight):
+            total += self.embed_tokens.weight_nbytes
+        elif self.lm_head is None:
+            total += self.embed_tokens.weight.numel() * itemsize
+        return total
+
+    @property
+    def output_projection(self) -> nn.Module:
+        """The module whose rows are the vocabulary's: the lm_head, or the tied embedding."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    @property
+    def output_is_quantized(self) -> bool:
+        """The lm_head (or the tied embedding) runs on GGUF blocks: no float weight to project."""
+        return isinstance(self.output_projection, QuantizedWeight)
+
+    def quantize(self, specs: dict[str, QuantizedSpec], dtype: torch.dtype) -> frozenset[str]:
+        """Before the weights are allocated (on the meta device): swap each projection whose
+        every part is in specs, and the embedding, for a module over GGUF blocks. Returns the HF
+        names now loaded as blocks."""
+        groups: dict[str, dict[int, tuple[str, QuantizedSpec]]] = {}
+        for hf_name, spec in specs.items():
+            target = self._target_of(hf_name)
+            if target is not None:
+                groups.setdefault(target[0], {})[target[1]] = (hf_name, spec)
+        kept: set[str] = set()
+        for name, parts in groups.items():
+            path = name.removesuffix(".weight")
+            module = _quantized_module(path, self.get_submodule(path), parts, dtype)
+            if module is not None:
+                self.set_submodule(path, module)
+                self.quantized_names |= {name}
+                kept |= {hf_name for hf_name, _ in parts.values()}
+        return frozenset(kept)
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for hf_name, tensor in weights:
+            target = self._target_of(hf_name)
+            if target is None:
+                continue
+            name, part = target
+            if isinstance(tensor, QuantizedTensor):
+                self.get_submodule(name.removesuffix(".weight")).load_part(part, tensor)
+                loaded.add(name)
+                continue
+            param = params[name]
+            offset = self._part_offset(name, part)
+            with torch.no_grad():
+                param.data[offset : offset + tensor.shape[0]].copy_(tensor)
+            loaded.add(name)
+        missing = (set(params) | self.quantized_names) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fold_unit_offset()
+
+    def _target_of(self, hf_name: str) -> tuple[str, int] | None:
+        """Map an HF weight name to (our parameter, part of a fused parameter)."""
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        for part, (fused_name, index) in FUSED_PROJECTIONS.items():
+            if f".{part}." in name:
+                return name.replace(part, fused_name), index
+        return name, 0
+
+    def _part_offset(self, name: str, part: int) -> int:
+        """Row where part `part` of a fused parameter starts (q, k, v or gate, up)."""
+        if part == 0:
+            return 0
+        if ".mlp." in name:
+            return self.config.intermediate_size
+        attn = self.layers[0].self_attn
+        return attn.q_size + (part - 1) * attn.kv_size
