@@ -53,8 +53,9 @@ def draw_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor
     cumulative = sums.cumsum(dim=-1)  # [num_rows, num_blocks]
     target = uniforms.double() * cumulative[:, -1]  # [num_rows], below the row's mass
     chosen = _first_above(cumulative, target).clamp_(max=sums.shape[1] - 1)[:, None]
-    landed = cumulative.gather(1, chosen) - sums.gather(1, chosen)  # mass before the block
-    share = ((target[:, None] - landed) / sums.gather(1, chosen)).clamp_(0.0, 1.0)
+    block_mass = sums.gather(1, chosen)
+    landed = cumulative.gather(1, chosen) - block_mass  # mass before the block
+    share = ((target[:, None] - landed) / block_mass).clamp_(0.0, 1.0)
     columns = chosen * block + torch.arange(block, device=probs.device)  # [num_rows, block]
     values = probs.gather(1, columns.clamp(max=n - 1)) * (columns < n)
     inside = values.double().cumsum(dim=-1)  # [num_rows, block]

@@ -88,10 +88,14 @@ class DraftModelProposer:
         self.cost = cost if cost is not None else DraftCost()
         self.rows: dict[str, DraftRow] = {}  # request id -> its draft cache
         self.lookup = lookup  # prompt lookup tried first (--draft-prompt-lookup)
-        # whether a row's text repeats (DraftWork.repeats): the lookup's match, or one as short
-        self.repeats = lookup or NgramProposer(
-            NgramConfig(DRAFT_LOOKUP_MIN_NGRAM, DRAFT_LOOKUP_MIN_NGRAM, num_speculative_tokens)
-        )
+        # the model alone: whether a row's text repeats (DraftWork.repeats), a match as short as
+        # the lookup's (with the lookup, such a row takes its drafts and no model pass)
+        self.repeat_matcher = None
+        if lookup is None:
+            config = NgramConfig(
+                DRAFT_LOOKUP_MIN_NGRAM, DRAFT_LOOKUP_MIN_NGRAM, num_speculative_tokens
+            )
+            self.repeat_matcher = NgramProposer(config)
         self.histories = TokenHistories()  # the rows' tokens for the lookup
 
     def propose_rows(
@@ -118,7 +122,7 @@ class DraftModelProposer:
         Whether the row's last tokens occurred before (without the lookup: the model drafts)."""
         if self._looked_up(request, 1) is not None:
             return NO_DRAFT_WORK
-        repeats = self.lookup is None and self.repeats.match_start(self.histories.of(request)) >= 0
+        repeats = self._repeats(request)
         row = self.rows.get(request.request_id)
         if row is None:
             return DraftWork(by_model=True, repeats=repeats)
@@ -126,6 +130,10 @@ class DraftModelProposer:
         behind = len(token_ids) - row.catch_up_start(token_ids)
         catch_up = max(behind - STEADY_CATCH_UP, 0)
         return DraftWork(by_model=True, catch_up_tokens=catch_up, repeats=repeats)
+
+    def _repeats(self, request: Request) -> bool:
+        matcher = self.repeat_matcher
+        return matcher is not None and matcher.match_start(self.histories.of(request)) >= 0
 
     def _looked_up(self, request: Request, k: int) -> list[int] | None:
         """The k tokens that followed an earlier occurrence of the row's last tokens, or None."""
