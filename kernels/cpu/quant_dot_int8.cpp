@@ -13,7 +13,10 @@
 // llama.cpp's vec_dot with Q8_0 activations.
 // Layout of the work: kTile weight rows side by side. A sub-block gives each of them a vector of 8
 // partial sums; the 8 vectors are summed across lanes into one (lane i: weight row i), so the
-// float work and the gathered scales serve 8 weight rows an instruction. Threads over tiles.
+// float work and the gathered scales serve 8 weight rows an instruction. Two rows of x share
+// those vectors (pair_dot: one row in lanes 0-3, the other in 4-7), so that one reduction serves
+// both: at 2-4 rows the layers of Qwen2.5-Coder-1.5B took 11-20% less time (Zen 4, AVX-512 and
+// AVX2 builds), and a verify row beside its drafts costs that much less. Threads over tiles.
 // Oracle: quant_gemm_int8, bit for bit, and through it gguf-py (tests/test_quant_kernels.py).
 
 #include <ATen/Parallel.h>
@@ -141,6 +144,28 @@ inline void scales_of(const uint8_t* const rows[kTile], int64_t block_at, TileSc
   }
 }
 
+// Two rows of x in the lanes of one product, so that one reduction (sum_halves) serves both:
+// a's values 0-15 with b's 16-31, and a's 16-31 with b's 0-15 (a weight sub-block and its halves
+// swapped multiply them), each row whole in one half of the lanes. Not Q6_K's: a scale per 16 values
+inline void pair_halves(__m256i& a, __m256i& b) {
+  const __m256i straight = _mm256_blend_epi32(a, b, 0xF0), crossed = _mm256_permute2x128_si256(a, b, 0x21);
+  a = straight;
+  b = crossed;
+}
+
+// lanes 0-3: row a's products with the sub-block's codes, summed 4 a lane; lanes 4-7: row b's
+template <int64_t kType>
+inline __m256i pair_dot(__m256i codes, __m256i swapped, __m256i straight, __m256i crossed) {
+#ifdef CONVEYOR_INT8_VNNI
+  return dpbusd256(dpbusd256(_mm256_setzero_si256(), codes, straight), swapped, crossed);
+#else
+  if constexpr (kChunkSteps<kType> >= 2)  // the two products' 16-bit sums add without overflow
+    return _mm256_madd_epi16(_mm256_add_epi16(products_of<kType>(codes, straight), products_of<kType>(swapped, crossed)),
+                             _mm256_set1_epi16(1));
+  return _mm256_add_epi32(dot32<kType>(codes, straight), dot32<kType>(swapped, crossed));
+#endif
+}
+
 // y[i] += one sub-block's part (`sums` lane i: weight row i's exact integer sum, less the start)
 inline __m256 add_part(__m256 y, __m256i sums, int32_t start, float step, __m256 scales) {
   const __m256 whole = _mm256_cvtepi32_ps(_mm256_add_epi32(sums, _mm256_set1_epi32(start)));
@@ -153,6 +178,7 @@ template <int64_t kType, int R>
 void tile_rows(const uint8_t* const rows[kTile], const PlainRows& x, int64_t r0, int64_t in, const Ahead& ahead,
                __m256 y[R]) {
   constexpr int kSubs = kSubsPerBlock<kType>;
+  constexpr int kPairs = kType == Q6_K ? 0 : R / 2;  // pairs of rows sharing their vectors (pair_dot)
   const int64_t blocks = in / (32 * kSubs), subs = in / kSubValues<kType>, groups = in / kGroup;
   __m256 sum[R];  // in registers: written through y they were stored every sub-block
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
@@ -166,21 +192,32 @@ void tile_rows(const uint8_t* const rows[kTile], const PlainRows& x, int64_t r0,
       __m256i xv[R], parts[R][kTile];
       for (int r = 0; r < R; ++r)
         xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes.data() + (r0 + r) * in + s32 * 32));
+      for (int p = 0; p < kPairs; ++p) pair_halves(xv[2 * p], xv[2 * p + 1]);
 #pragma GCC unroll 8
       for (int i = 0; i < kTile; ++i) {
         const __m256i codes = codes32<kType>(rows[i] + b * kBlockBytes<kType>, j);
-        for (int r = 0; r < R; ++r) parts[r][i] = dot32<kType>(codes, xv[r]);
+        if constexpr (kPairs > 0) {
+          const __m256i swapped = _mm256_permute2x128_si256(codes, codes, 0x01);
+          for (int p = 0; p < kPairs; ++p) parts[p][i] = pair_dot<kType>(codes, swapped, xv[2 * p], xv[2 * p + 1]);
+        }
+        for (int r = 2 * kPairs; r < R; ++r) parts[r - kPairs][i] = dot32<kType>(codes, xv[r]);
       }
+      // lane i of low[r] and high[r]: weight row i's integer sums over the sub-block's values 0-15
+      // and 16-31 of row r (a pair's rows: each whole in low)
+      __m256i low[R], high[R];
+      for (int p = 0; p < kPairs; ++p) {
+        sum_halves(parts[p], low[2 * p], low[2 * p + 1]);
+        high[2 * p] = high[2 * p + 1] = _mm256_setzero_si256();
+      }
+      for (int r = 2 * kPairs; r < R; ++r) sum_halves(parts[r - kPairs], low[r], high[r]);
       for (int r = 0; r < R; ++r) {
-        __m256i low, high;
-        sum_halves(parts[r], low, high);
         const float step = x.steps[(r0 + r) * groups + s32];
         const int32_t* starts = x.starts.data() + (r0 + r) * subs;
         if constexpr (kType == Q6_K) {  // two scales of 16 values each
-          sum[r] = add_part(sum[r], low, starts[2 * s32], step, t.scales[2 * j]);
-          sum[r] = add_part(sum[r], high, starts[2 * s32 + 1], step, t.scales[2 * j + 1]);
+          sum[r] = add_part(sum[r], low[r], starts[2 * s32], step, t.scales[2 * j]);
+          sum[r] = add_part(sum[r], high[r], starts[2 * s32 + 1], step, t.scales[2 * j + 1]);
         } else {
-          sum[r] = add_part(sum[r], _mm256_add_epi32(low, high), starts[s32], step, t.scales[j]);
+          sum[r] = add_part(sum[r], _mm256_add_epi32(low[r], high[r]), starts[s32], step, t.scales[j]);
           if constexpr (kFloatOffset<kType>)
             sum[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sums[(r0 + r) * subs + s32]), t.offsets[j], sum[r]);
         }

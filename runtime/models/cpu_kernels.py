@@ -18,10 +18,10 @@ from kernels.native import cpu_flags, native_ops
 
 DECODE_ROWS = 6  # at most this many rows run the integer-dot kernel (one pass: kMaxRows with
 # AVX-512); more dequantize tiles (quant_gemm for bfloat16: at 4-6 rows it took 1.5-1.8x longer)
-INT8_DECODE_ROWS = 3  # at most this many 8-bit rows take quant_dot_int8, more quant_gemm_int8:
-# Qwen 1.5B's layer shapes on a Zen 5 at 4 rows 1.79 against 1.60 ms (AVX-512), 1.95 against 1.82
-# (AVX2 build), 1.91 against 1.80 (AVX-VNNI build); at 3 rows 1.49 against 1.60 (AVX-512); on a
-# Zen 4 4 rows tied (docs/benchmarks.md, 2026-11-28, morning)
+INT8_DECODE_ROWS = 4  # at most this many 8-bit rows take quant_dot_int8, more quant_gemm_int8:
+# Qwen 1.5B's layer shapes on a Zen 4, pairs of rows sharing a reduction (quant_dot_int8.cpp), at
+# 4 rows 49 against 63 ms (AVX-512), 63 against 82-88 (AVX2 build); at 6 rows 81 against 63 and
+# 98 against 85 (docs/benchmarks.md, 2026-11-28, afternoon)
 SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2) and 8-bit activations:
 # dequantizing a tile is scalar there, and quant_dot, a pass per 4 rows, stays faster up to
 # about 48 rows
