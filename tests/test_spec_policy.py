@@ -230,17 +230,17 @@ def test_fully_accepted_rows_forget_the_failures_before_them():
     """An answer's preamble misses (its single-draft probes rejected), then its body copies: rows
     accepted in full with 3 drafts between them (k = 1, then 2) drop the earlier failures, so k
     ramps up within two steps instead of the ten the moving average would take; single drafts
-    accepted by chance (twice at chat's rate of 0.5 is a quarter of the time) do not."""
+    accepted by chance (three in a row at chat's rate of 0.5 is an eighth of the time) do not."""
     policy = SpeculationPolicy(5, fitted_cost(0.02, 0.00001), AcceptanceTracker(prior=0.9))
     for _ in range(6):
         policy.observe("r", 1, 0)
     low = policy.acceptance.rate("r")
-    policy.observe("r", 1, 1)
-    policy.observe("r", 1, 1)
+    for _ in range(3):
+        policy.observe("r", 1, 1)
     assert policy.acceptance.rate("r") < 0.5 and low < 0.3  # still the old failures
     policy.observe("r", 2, 2)
     reset = policy.acceptance.rate("r")
-    assert reset > 0.6 and policy.acceptance.probe_cap("r") == 5
+    assert reset > 0.6 and policy.acceptance.probe_cap("r") == 6  # the streak: 5 accepted
     assert policy.choose([RowCandidate("r", 10)], 1, 1, token_budget_left=100) == [5]
     policy.observe("r", 5, 0)  # a rejection ends the streak: the next rows count afresh
     policy.observe("r", 1, 1)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 PROMPT_LOOKUP_PROBE_COST = 0.33  # a failed single-draft probe, in plain steps (SmolLM2, 2 cores)
-STREAK_ACCEPTED = 3  # drafts the latest full rows (two or more) must have accepted to forget
-# older failures (a copy ramp's k = 1 then 2; two single drafts accepted by chance: not)
+STREAK_ACCEPTED = 3  # drafts the latest full rows (two or more, one of them two drafts or more)
+# must have accepted to forget older failures (a copy ramp's k = 1 then 2; single drafts accepted
+# by chance, however many in a row: not)
 
 
 class AcceptanceTracker:
@@ -50,14 +51,17 @@ class AcceptanceTracker:
         accepted drafts is a burst, which chat has too): the text turned to copying
         (an answer's preamble missed, then its body copies), so the failures before them are
         forgotten and k ramps up at once instead of over the ten steps the moving average would
-        take."""
+        take. Not a run of single drafts: a chat request drafting one token a step at a rate of
+        one half lands three in a row every eighth run, and each time its rate went to 0.9 and its
+        drafts on with it (35 of 59 steps drafting, 0.98x, docs/benchmarks.md 2026-11-28)."""
         if accepted < tried:
             self._streak.pop(request_id, None)
             return
         streak = self._streak.get(request_id, (0, 0))
         streak = (streak[0] + accepted, streak[1] + 1)
         self._streak[request_id] = streak
-        if streak[1] >= 2 and streak[0] >= STREAK_ACCEPTED:  # keep the accepted, drop the rest
+        grew = streak[0] > streak[1]  # some row of the streak had two drafts or more
+        if streak[1] >= 2 and streak[0] >= STREAK_ACCEPTED and grew:  # keep the accepted only
             accepted_so_far = max(self._trials[request_id][0], streak[0])
             self._trials[request_id] = (accepted_so_far, accepted_so_far)
 
