@@ -451,6 +451,19 @@ def test_the_cost_model_returns_measured_shapes_and_interpolates_between_them():
     assert cost.predict(2, 2) == pytest.approx(cost.fitted(2, 2))  # no shape of 2 rows measured
 
 
+def test_a_slow_step_now_and_then_does_not_lift_its_shape():
+    """A shared host now and then takes twice a step's time. A plain step's average lifted by one
+    such step made drafts look cheaper than plain decoding until plain steps were measured again,
+    which the policy, drafting, no longer did; the median of the last measures ignores it."""
+    cost = StepCostModel()
+    for seconds in (0.047, 0.048, 0.047, 0.120, 0.048):
+        cost.observe(1, 1, seconds)
+    assert cost.predict(1, 1) == pytest.approx(0.048)
+    for seconds in (0.047, 0.110, 0.115, 0.120, 0.118):  # the host slowed down: it follows
+        cost.observe(1, 1, seconds)
+    assert cost.predict(1, 1) == pytest.approx(0.115)
+
+
 def test_a_shape_not_measured_for_a_window_of_steps_is_forgotten():
     cost = StepCostModel(window=16)
     cost.observe(1, 8, 0.5)  # an outlier: a k that never pays again is never chosen again

@@ -4,12 +4,13 @@ prices its drafts with."""
 from __future__ import annotations
 
 import bisect
+import statistics
 from collections import deque
 
 import numpy as np
 
 REFIT_EVERY = 8  # observations between least-squares fits (a fit every step was 3% of SmolLM2's)
-SHAPE_WEIGHT = 0.3  # a step's weight in the moving average of its shape's measured seconds
+SHAPE_SAMPLES = 5  # a shape's seconds: the median of its last this many measures
 TOKEN_BLOCK = 8  # a step's tokens up to which it is assumed flat beyond the most measured (the
 # 8-bit GEMM's ymm lanes take 1 to 8 rows alike)
 MAX_SHAPES_PER_ROWS = 64  # token counts remembered per row count (more: interpolated)
@@ -24,7 +25,11 @@ class StepCostModel:
     30, 41, 58, 70 and 72 ms at 1, 2, 3, 4 and 8 tokens of one row (Zen 5). Fitted, the line put
     8 tokens at 90 ms and k = 7 never paid. So each (rows, tokens) keeps a moving average of its
     measured seconds, which predict() returns; between two measured token counts of the same rows
-    it interpolates. Beyond the most measured it assumes the same seconds up to TOKEN_BLOCK
+    it interpolates. A shape's seconds are the median of its last SHAPE_SAMPLES measures, not a
+    moving average: on a shared host a step now and then takes twice its time, and a plain step's
+    average lifted by one such step stayed high while the policy, finding plain steps dear, drafted
+    and measured no more of them (a trace read 54-68 ms for plain steps of 47-48 ms, and drafts
+    at k = 1 looked 10-17% better than they were). Beyond the most measured it assumes the same seconds up to TOKEN_BLOCK
     tokens, then the line's slope, or the line where that is less: extrapolated along the line
     from 3 tokens (57 ms), 8 read 110 ms and k = 7 was never tried, so never measured; assumed
     flat, it is tried once and its measure (72 ms) stands from then on. Not past 8 tokens: 16
@@ -48,8 +53,7 @@ class StepCostModel:
         self._coefficients: tuple[float, float, float] | None = None
         self._since_fit = 0
         self._num_observed = 0
-        # rows -> {tokens: (seconds, moving average; the observation that last updated it)}
-        self._shapes: dict[int, dict[int, tuple[float, int]]] = {}
+        self._shapes: dict[int, dict[int, MeasuredShape]] = {}  # rows -> {tokens: its measures}
         self._measured_tokens: dict[int, list[int]] = {}  # rows -> its shapes' tokens, sorted
 
     def observe(self, num_rows: int, num_tokens: int, seconds: float) -> None:
@@ -63,19 +67,18 @@ class StepCostModel:
 
     def _remember(self, num_rows: int, num_tokens: int, seconds: float) -> None:
         shapes = self._shapes.setdefault(num_rows, {})
-        known = shapes.get(num_tokens)
-        if known is not None:
-            seconds = known[0] + SHAPE_WEIGHT * (seconds - known[0])
-        elif len(shapes) >= MAX_SHAPES_PER_ROWS:
-            return
-        else:
+        shape = shapes.get(num_tokens)
+        if shape is None:
+            if len(shapes) >= MAX_SHAPES_PER_ROWS:
+                return
+            shape = shapes[num_tokens] = MeasuredShape()
             bisect.insort(self._measured_tokens.setdefault(num_rows, []), num_tokens)
-        shapes[num_tokens] = (seconds, self._num_observed)
+        shape.add(seconds, self._num_observed)
 
     def _forget_stale_shapes(self) -> None:
         oldest = self._num_observed - self.window
         for num_rows, shapes in list(self._shapes.items()):
-            kept = {t: entry for t, entry in shapes.items() if entry[1] > oldest}
+            kept = {t: shape for t, shape in shapes.items() if shape.last_observed > oldest}
             if kept:
                 self._shapes[num_rows], self._measured_tokens[num_rows] = kept, sorted(kept)
             else:
@@ -108,17 +111,35 @@ class StepCostModel:
             return self.fitted(num_rows, num_tokens)
         exact = shapes.get(num_tokens)
         if exact is not None:
-            return exact[0]
+            return exact.seconds
         tokens = self._measured_tokens[num_rows]
         at = bisect.bisect_left(tokens, num_tokens)
         if 0 < at < len(tokens):  # between two measured token counts
             below, above = tokens[at - 1], tokens[at]
             share = (num_tokens - below) / (above - below)
-            return (1.0 - share) * shapes[below][0] + share * shapes[above][0]
+            return (1.0 - share) * shapes[below].seconds + share * shapes[above].seconds
         if at == 0:  # below the fewest measured: the line's slope from there
             slope = self.fitted(num_rows, num_tokens) - self.fitted(num_rows, tokens[0])
-            return max(shapes[tokens[0]][0] + slope, 0.0)
+            return max(shapes[tokens[0]].seconds + slope, 0.0)
         most = tokens[-1]  # beyond the most measured: flat to TOKEN_BLOCK tokens, then its slope,
         flat_to = max(most, TOKEN_BLOCK)  # or the line itself where that is less
         beyond = self.fitted(num_rows, max(num_tokens, flat_to)) - self.fitted(num_rows, flat_to)
-        return min(shapes[most][0] + beyond, self.fitted(num_rows, num_tokens))
+        return min(shapes[most].seconds + beyond, self.fitted(num_rows, num_tokens))
+
+
+class MeasuredShape:
+    """One (rows, tokens) step shape: its last SHAPE_SAMPLES measured seconds, their median
+    (`seconds`, kept current: predict() reads it a few times a step) and the observation that
+    last measured it."""
+
+    __slots__ = ("last_observed", "measures", "seconds")
+
+    def __init__(self):
+        self.measures: deque[float] = deque(maxlen=SHAPE_SAMPLES)
+        self.seconds = 0.0
+        self.last_observed = 0
+
+    def add(self, seconds: float, observation: int) -> None:
+        self.measures.append(seconds)
+        self.seconds = statistics.median(self.measures)
+        self.last_observed = observation
