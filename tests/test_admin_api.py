@@ -687,7 +687,7 @@ def test_a_database_outage_loses_and_duplicates_no_audit_record(postgres_server,
     ids = [complete(server, key).request_id]
     assert audit_detail(server, ids[0]).status == 200  # stored before the outage
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        body = {"max_tokens": 24, "ignore_eos": True}
+        body = {"max_tokens": 96, "ignore_eos": True}
         running = [pool.submit(complete, server, key, f"Story {i}:", **body) for i in range(4)]
         wait_until(lambda: admin(server, "GET", "/engine").body["num_inflight_requests"] == 4, 20)
         pg_proxy.cut()  # all four are authenticated and admitted: they run on

@@ -407,11 +407,11 @@ def test_the_console_updates_while_requests_run(server, preempted, pages):
     for reader in readers:
         reader.start()
     try:
+        # the table and the counters of one refresh: the counters read after it may be another's
         shown = wait_until(
-            lambda: set(ids) & set(rows(view.page, "#sequences")), what="a running request"
+            lambda: showing_any_of(console_snapshot(view.page), ids), what="a running request"
         )
-        running = int(view.page.locator("#num-running").get_attribute("data-value"))
-        assert running >= 1
+        assert shown["running"] >= 1
         group = view.page.locator("#groups tr").first.text_content()
         assert "5" in group and preempted["low"]["name"] in group
         wait_until(lambda: tokens_per_s_shown(view.page), what="tokens/s above zero")
@@ -474,16 +474,29 @@ def busy_server(tmp_path_factory, tiny_model_dir):
         yield process
 
 
+def console_snapshot(page) -> dict:
+    """What one refresh of the console shows: its table's request ids and its counters, read in
+    one evaluation (the page may refresh between two reads)."""
+    return page.evaluate(
+        """() => {
+            const count = (line) => Number(document.getElementById(`num-${line}`).dataset.value);
+            const rows = [...document.querySelectorAll("#sequences tr")];
+            return {rows: rows.map((row) => row.dataset.requestId), waiting: count("waiting"),
+                    running: count("running"), swapped: count("swapped")};
+        }"""
+    )
+
+
+def showing_any_of(snapshot: dict, request_ids: list[str]) -> dict | None:
+    return snapshot if set(request_ids) & set(snapshot["rows"]) else None
+
+
 def counted_with_a_full_table(page) -> int | None:
     """Waiting + running + swapped as the console shows them, once its table lists all requests."""
-    shown = page.evaluate(
-        """() => ({
-            rows: document.querySelectorAll("#sequences tr").length,
-            counted: ["waiting", "running", "swapped"].reduce((sum, line) =>
-                sum + Number(document.getElementById(`num-${line}`).dataset.value), 0),
-        })"""
-    )
-    return shown["counted"] if shown["rows"] == NUM_CONCURRENT else None
+    shown = console_snapshot(page)
+    if len(shown["rows"]) != NUM_CONCURRENT:
+        return None
+    return shown["waiting"] + shown["running"] + shown["swapped"]
 
 
 def test_the_console_keeps_up_with_a_hundred_concurrent_requests(

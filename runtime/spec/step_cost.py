@@ -23,21 +23,21 @@ class StepCostModel:
     A CPU step is no linear function of its tokens: the matmul kernel changes with the row count
     and costs the same for every row count within a lane block, so Qwen2.5-Coder-1.5B's step read
     30, 41, 58, 70 and 72 ms at 1, 2, 3, 4 and 8 tokens of one row (Zen 5). Fitted, the line put
-    8 tokens at 90 ms and k = 7 never paid. So each (rows, tokens) keeps a moving average of its
-    measured seconds, which predict() returns; between two measured token counts of the same rows
-    it interpolates. A shape's seconds are the median of its last SHAPE_SAMPLES measures, not a
-    moving average: on a shared host a step now and then takes twice its time, and a plain step's
-    average lifted by one such step stayed high while the policy, finding plain steps dear, drafted
-    and measured no more of them (a trace read 54-68 ms for plain steps of 47-48 ms, and drafts
-    at k = 1 looked 10-17% better than they were). Beyond the most measured it assumes the same seconds up to TOKEN_BLOCK
-    tokens, then the line's slope, or the line where that is less: extrapolated along the line
-    from 3 tokens (57 ms), 8 read 110 ms and k = 7 was never tried, so never measured; assumed
-    flat, it is tried once and its measure (72 ms) stands from then on. Not past 8 tokens: 16
-    streams' 16-token step assumed flat to 24 made a batch of first drafts look free. And never
-    above the line: anchored at 4 streams' measured 8-token step, 4 rows of 7 drafts were priced
-    out where the line (the previous rule) had them pay (1.41x against 1.74x). An entry not
-    measured for `window` steps is dropped (the context grew; a slow step's outlier is tried
-    again)."""
+    8 tokens at 90 ms and k = 7 never paid. So each (rows, tokens) keeps its measured seconds,
+    which predict() returns; between two measured token counts of the same rows it interpolates.
+    A shape's seconds are the median of its last SHAPE_SAMPLES measures, not a moving average: on
+    a shared host a step now and then takes twice its time, and a plain step's average lifted by
+    one such step stayed high while the policy, finding plain steps dear, drafted and measured no
+    more of them (a trace read 54-68 ms for plain steps of 47-48 ms, and drafts at k = 1 looked
+    10-17% better than they were). Beyond the most measured it assumes the same seconds up to
+    TOKEN_BLOCK tokens, then the line's slope, or the line where that is less: extrapolated
+    along the line from 3 tokens (57 ms), 8 read 110 ms and k = 7 was never tried, so never
+    measured; assumed flat, it is tried once and its measure (72 ms) stands from then on. Not
+    past 8 tokens: 16 streams' 16-token step assumed flat to 24 made a batch of first drafts look
+    free. And never above the line: anchored at 4 streams' measured 8-token step, 4 rows of 7
+    drafts were priced out where the line (the previous rule) had them pay (1.41x against
+    1.74x). An entry not measured for `window` steps is dropped (the context grew; a slow
+    step's outlier is tried again)."""
 
     def __init__(self, window: int = 256, min_samples: int = 8, keep_drafted_apart: bool = False):
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
