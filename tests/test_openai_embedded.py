@@ -156,6 +156,20 @@ def test_completion_logprobs_have_the_legacy_shape(client):
     assert "".join(logprobs.tokens) == completion.choices[0].text
 
 
+def test_top_logprobs_under_a_grammar_list_only_tokens_it_allows(client):
+    """Under a JSON schema most tokens are masked out: asked for 15, each position lists the
+    tokens the grammar allowed (maybe fewer), every logprob a number (-inf was sent as null)."""
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="A JSON object:", max_tokens=8, temperature=0, logprobs=15,
+        extra_body={"response_format": {"type": "json_object"}},
+    )  # fmt: skip
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.top_logprobs and all(1 <= len(top) <= 15 for top in logprobs.top_logprobs)
+    values = [lp for top in logprobs.top_logprobs for lp in top.values()]
+    assert all(isinstance(lp, float) and lp <= 0 for lp in values)
+    assert any(len(top) < 15 for top in logprobs.top_logprobs)  # the opening "{" stands alone
+
+
 def test_chat_logprobs_have_the_chat_shape(client):
     completion = client.chat.completions.create(
         model=MODEL_NAME,

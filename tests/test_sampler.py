@@ -274,6 +274,18 @@ def test_logprobs_match_log_softmax():
         assert [lp for _, lp in entry.top] == pytest.approx(values.tolist(), abs=1e-5)
 
 
+def test_tokens_that_cannot_be_sampled_are_left_out_of_the_top_logprobs():
+    """A grammar's mask leaves two tokens possible: asked for five, the top lists those two, not
+    three of -inf (which JSON cannot carry: the API answered null, against its own schema)."""
+    logits = torch.full((2, VOCAB_SIZE), float("-inf"))
+    logits[:, 3], logits[:, 7] = 2.0, 1.0
+    requests = [make_request("a", temperature=0.0, logprobs=5), make_request("b", logprobs=5)]
+    output = sample(Sampler(VOCAB_SIZE, seed=0), logits, requests)
+    for entry in output.logprobs:
+        assert [token for token, _ in entry.top] == [3, 7]
+        assert all(math.isfinite(lp) for _, lp in entry.top) and math.isfinite(entry.logprob)
+
+
 def reference_top_k_top_p_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Which tokens survive top-k then top-p, by sorting the whole vocab (as vLLM does)."""
     sorted_probs, sorted_ids = probs.sort(descending=True)

@@ -10,6 +10,7 @@ from its own rows. `unpack` reads the one copy that comes back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -195,7 +196,7 @@ def padded_token_ids(token_lists: list[list[int]]) -> torch.Tensor:
 class TokenLogprobs:
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]  # top-n (token_id, logprob), best first
+    top: list[tuple[int, float]]  # top-n (token_id, logprob), best first; only possible tokens
 
 
 @dataclass
@@ -219,6 +220,8 @@ def unpack(host: torch.Tensor, plan: SamplingPlan) -> SamplerOutput:
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     for i, top_n in plan.logprob_top_ns:
         row = rows[i]
-        top = [(int(t), lp) for t, lp in zip(row[2 + n : 2 + n + top_n], row[2 : 2 + top_n])]
+        # a token the row cannot sample (a grammar's mask: -inf) is no candidate: fewer than n
+        pairs = zip(row[2 + n : 2 + n + top_n], row[2 : 2 + top_n])
+        top = [(int(t), lp) for t, lp in pairs if lp > -math.inf]
         logprobs[i] = TokenLogprobs(token_ids[i], row[1], top)
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
