@@ -491,12 +491,8 @@ def showing_any_of(snapshot: dict, request_ids: list[str]) -> dict | None:
     return snapshot if set(request_ids) & set(snapshot["rows"]) else None
 
 
-def counted_with_a_full_table(page) -> int | None:
-    """Waiting + running + swapped as the console shows them, once its table lists all requests."""
-    shown = console_snapshot(page)
-    if len(shown["rows"]) != NUM_CONCURRENT:
-        return None
-    return shown["waiting"] + shown["running"] + shown["swapped"]
+def with_a_full_table(snapshot: dict) -> dict | None:
+    return snapshot if len(snapshot["rows"]) == NUM_CONCURRENT else None
 
 
 def test_the_console_keeps_up_with_a_hundred_concurrent_requests(
@@ -517,15 +513,16 @@ def test_the_console_keeps_up_with_a_hundred_concurrent_requests(
     try:
         # the table and the counters come from one refresh: read them together, as the requests
         # may all finish within the next two refreshes
-        counted = wait_until(
-            lambda: counted_with_a_full_table(view.page), what="a hundred sequences on the console"
+        shown = wait_until(
+            lambda: with_a_full_table(console_snapshot(view.page)),
+            what="a hundred sequences on the console",
         )
         before = int(status.get_attribute("data-refreshes"))
         wait_until(
             lambda: int(status.get_attribute("data-refreshes")) >= before + 2,
             what="two more refreshes under load",
         )
-        assert counted >= NUM_CONCURRENT
+        assert shown["waiting"] + shown["running"] + shown["swapped"] >= NUM_CONCURRENT
     finally:
         for reader in readers:
             reader.join(timeout=120)
