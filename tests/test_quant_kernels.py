@@ -148,7 +148,8 @@ needs_int8_tiles = pytest.mark.skipif(
 
 @needs_int8_tiles
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 33, 300])  # 300: a chunk of 256 rows and a ragged one
+# 300 rows: a chunk of 256 (quant_gemm_int8.cpp's kChunkRows) and a ragged one
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 33, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_tiles_are_the_oracle_on_int8_rounded_activations(qtype, rows, dtype):
     rng = np.random.default_rng(rows * 13 + int(qtype))
