@@ -142,7 +142,7 @@ def test_bf16_tiles_are_the_oracle_on_bfloat16_weights(qtype, rows):
 
 
 needs_int8_tiles = pytest.mark.skipif(
-    not cpu_kernels.int8_tiles(), reason="quant_gemm_int8 needs AVX2 and no AMX"
+    not cpu_kernels.int8_tiles(), reason="quant_gemm_int8 needs AVX2"
 )
 
 
@@ -292,7 +292,7 @@ def test_fallback_without_native_kernels_is_the_oracle(monkeypatch):
 
 
 def test_torch_matmul_on_tiles_rounds_a_row_the_same_in_any_number_of_rows(monkeypatch):
-    """Tiles dequantized for torch's matmul (with AMX, every prompt step): oneDNN picks its kernel
+    """Tiles dequantized for torch's matmul (rows not 8-bit, AMX: every prompt step): oneDNN picks its kernel
     by the row count, and a row of 24 rounded otherwise than in 40, so a prefix-cache hit (the
     prompt's last rows alone) flipped a greedy near-tie. Shapes where it did: SmolLM2's."""
     monkeypatch.setattr(quant, "native_ops", lambda: None)

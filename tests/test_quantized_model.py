@@ -163,7 +163,7 @@ def logprobs_of(engine: Engine, prompts: list[list[int]], params: SamplingParams
     return [seen[r.request_id] for r in requests]
 
 
-@pytest.mark.skipif(not cpu_kernels.int8_dots(), reason="needs the 8-bit kernels (AVX2, no AMX)")
+@pytest.mark.skipif(not cpu_kernels.int8_dots(), reason="needs the 8-bit kernels (AVX2)")
 def test_a_request_scores_the_same_alone_and_in_a_full_batch():
     """8-bit rows: quant_dot_int8 (a lone decode row) and quant_gemm_int8 (six) round a row
     bit for bit alike, so a request's logprobs do not depend on the requests beside it. With

@@ -57,10 +57,11 @@ def int8_dots() -> bool:
 def int8_tiles() -> bool:
     """Many rows multiply in kernels/cpu/quant_gemm_int8.cpp (AVX-512 VNNI, or AVX2): x rounded
     to 8 bits per group as llama.cpp's Q8 activations, twice the products a cycle of
-    vdpbf16ps, four times an AVX2 FMA's. Not where the CPU has AMX (torch's matmul is faster
-    there)."""
+    vdpbf16ps, four times an AVX2 FMA's. Where the CPU has AMX too: torch's AMX matmul needs
+    the weights dequantized every step, and 32 decode rows ran 2.7-3x slower that way on a
+    Sapphire Rapids Xeon (docs/benchmarks.md, 2026-11-28, late night)."""
     ops = native_ops()
-    return ops is not None and ops.quant_gemm_int8_available() and "amx_bf16" not in cpu_flags()
+    return ops is not None and ops.quant_gemm_int8_available()
 
 
 def int8_activations(setting: str, model_class: type, dtype_setting: str = "auto") -> bool:
