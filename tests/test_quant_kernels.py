@@ -292,9 +292,10 @@ def test_fallback_without_native_kernels_is_the_oracle(monkeypatch):
 
 
 def test_torch_matmul_on_tiles_rounds_a_row_the_same_in_any_number_of_rows(monkeypatch):
-    """Tiles dequantized for torch's matmul (rows not 8-bit, AMX: every prompt step): oneDNN picks its kernel
-    by the row count, and a row of 24 rounded otherwise than in 40, so a prefix-cache hit (the
-    prompt's last rows alone) flipped a greedy near-tie. Shapes where it did: SmolLM2's."""
+    """Tiles dequantized for torch's matmul (rows not 8-bit, AMX: every prompt step): oneDNN
+    picks its kernel by the row count, and a row of 24 rounded otherwise than in 40, so a
+    prefix-cache hit (the prompt's last rows alone) flipped a greedy near-tie. Shapes where it
+    did: SmolLM2's."""
     monkeypatch.setattr(quant, "native_ops", lambda: None)
     rng = np.random.default_rng(8)
     for out_features, in_features in ((1252, 576), (576, 1536)):
