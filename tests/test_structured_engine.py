@@ -39,8 +39,8 @@ WEATHER = ToolFunction(
 def engine() -> Engine:
     return Engine(
         EngineConfig(dtype="float32", quantization="none", num_kv_blocks=400, max_num_seqs=16)
-    )  # the mixed-batch test compares a row among 4 rows and among 8: torch's float32 F.linear
-    # rounds a row alike from 4 rows on (an AVX2 host rounds 1, 2-3 and 4+ rows three ways)
+    )  # the mixed-batch test compares a row among 4 rows and among 8: on the AVX2 host where it
+    # was measured, torch's float32 F.linear rounds 1, 2-3 and 4+ rows three ways, 4 and 8 alike
 
 
 def chat(engine: Engine, text: str) -> list[int]:
