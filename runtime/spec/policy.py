@@ -35,7 +35,9 @@ whose drafts prompt lookup serves (--draft-prompt-lookup) is not (`DraftWork`, p
 proposer). A row's first model draft is also charged its catch-up: the tokens its draft cache lacks beyond a steady step's (a row back
 after steps at k = 0 catches up on all of them), at the measured seconds per catch-up token. The
 forced probes pay it unpriced: without them an engine whose cost fit first said k = 0 stayed
-there (docs/benchmarks.md, 2026-11-27). Prompt lookup costs nothing here (no DraftCost).
+there (docs/benchmarks.md, 2026-11-27). Prompt lookup has no DraftCost; its lookups' seconds,
+paid on every row given k >= 1 and yielding drafts only where the history matches, are charged to
+a row's first draft over the request's match rate (lookup_cost.LookupCost via DraftWork).
 """
 
 from __future__ import annotations
@@ -86,13 +88,16 @@ class DraftCost:
 class DraftWork:
     """What a row's drafts cost its proposer: a forward pass of the draft model per draft
     (by_model), and first the tokens its draft cache lacks beyond a steady step's (a row back
-    after steps at k = 0 catches up on all of them). Prompt lookup: neither. repeats: the row's
-    last tokens occurred earlier in its text (it copies), so a draft model's drafts are planned
-    at the mean rate, not the cautious one (AcceptanceTracker.planned_rate)."""
+    after steps at k = 0 catches up on all of them). Prompt lookup: neither, but its lookups'
+    seconds per row that drafts (first_draft_seconds, lookup_cost.LookupCost), charged to the
+    row's first draft. repeats: the row's last tokens occurred earlier in its text (it copies),
+    so a draft model's drafts are planned at the mean rate, not the cautious one
+    (AcceptanceTracker.planned_rate)."""
 
     by_model: bool
     catch_up_tokens: int = 0
     repeats: bool = False
+    first_draft_seconds: float = 0.0
 
 
 NO_DRAFT_WORK = DraftWork(by_model=False)
@@ -236,24 +241,25 @@ class SpeculationPolicy:
     def _pricer(
         self, work: Callable[[int], DraftWork] | None
     ) -> Callable[[int], tuple[float, float, bool]]:
-        """Row i -> (seconds per draft, seconds of its first draft's catch-up, whether its
-        drafts are planned at the cautious rate), in the draft model's measured seconds; (0, 0,
-        False) without one, or where its drafts need no forward pass. Cautious: a draft model's
-        drafts on text that does not repeat itself."""
-        if self.draft_cost is None:
-            return lambda i: (0.0, 0.0, False)
-        per_draft = self.draft_cost.seconds_per_token
-        per_catch_up = self.draft_cost.seconds_per_catch_up_token
+        """Row i -> (seconds per draft, seconds its first draft costs on top, whether its drafts
+        are planned at the cautious rate): a draft model's measured seconds per draft and per
+        catch-up token, where the row's drafts need its forward passes, and the proposer's own
+        first-draft seconds (prompt lookup's lookups). Cautious: a draft model's drafts on text
+        that does not repeat itself. Without work: a model drafts every row, from a steady
+        cache, or (no draft model) drafts cost nothing."""
+        per_draft = self.draft_cost.seconds_per_token if self.draft_cost is not None else 0.0
         if work is None:
-            return lambda i: (per_draft, 0.0, True)
+            by_model = self.draft_cost is not None
+            return lambda i: (per_draft, 0.0, by_model)
+        per_catch_up = self.draft_cost.seconds_per_catch_up_token if self.draft_cost else 0.0
         priced: dict[int, tuple[float, float, bool]] = {}
 
         def price(i: int) -> tuple[float, float, bool]:
             if i not in priced:
                 row = work(i)
-                seconds_per_draft = per_draft if row.by_model else 0.0
-                cautious = row.by_model and not row.repeats
-                priced[i] = (seconds_per_draft, row.catch_up_tokens * per_catch_up, cautious)
+                by_model = row.by_model and self.draft_cost is not None
+                first = row.catch_up_tokens * per_catch_up + row.first_draft_seconds
+                priced[i] = (per_draft if by_model else 0.0, first, by_model and not row.repeats)
             return priced[i]
 
         return price

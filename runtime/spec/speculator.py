@@ -12,8 +12,8 @@ from typing import Protocol
 from runtime.spec.acceptance import AcceptanceTracker
 from runtime.spec.draft_model import load_draft_model
 from runtime.spec.draft_proposer import DRAFT_LOOKUP_MIN_NGRAM, DraftModelProposer
+from runtime.spec.lookup_cost import LookupCost
 from runtime.spec.policy import (
-    NO_DRAFT_WORK,
     DraftCost,
     DraftWork,
     RowCandidate,
@@ -68,7 +68,9 @@ class PromptLookup:
     whose rate says k = 0 (its first rows, or failures), and a short match is no evidence that
     the text now copies (a copy's first probe, on its preamble's two-token match, failed, and at
     16 streams no request drafted again before it ended). Without a match a probe costs only
-    the lookup, a few microseconds, so rows probe every PROMPT_LOOKUP_PROBE_INTERVAL steps."""
+    the lookup, tens of microseconds, so rows probe every PROMPT_LOOKUP_PROBE_INTERVAL steps.
+    Each call's seconds and its rows' matches feed `cost`, which prices a row's lookups
+    (draft_work)."""
 
     def __init__(self, config: NgramConfig) -> None:
         self.ngram = NgramProposer(config)
@@ -79,21 +81,32 @@ class PromptLookup:
             )
         )
         self.histories = TokenHistories()
+        self.cost = LookupCost()
 
     def propose_rows(
         self, requests: Sequence[Request], ks: Sequence[int], probing: Sequence[bool] = ()
     ) -> list[list[int]]:
         probing = probing or [False] * len(requests)
-        return [
+        start = time.perf_counter()
+        drafts = [
             (self.probe if probe else self.ngram).propose_one(self.histories.of(r), k).tolist()
             for r, k, probe in zip(requests, ks, probing)
         ]
+        matched = {
+            r.request_id: bool(draft)
+            for r, draft, probe in zip(requests, drafts, probing)
+            if not probe
+        }
+        self.cost.observe(matched, len(requests), time.perf_counter() - start)
+        return drafts
 
     def release(self, request_id: str) -> None:
         self.histories.release(request_id)
+        self.cost.release(request_id)
 
     def draft_work(self, request: Request) -> DraftWork:
-        return NO_DRAFT_WORK
+        seconds = self.cost.seconds_per_drafting_row(request.request_id)
+        return DraftWork(by_model=False, first_draft_seconds=seconds)
 
 
 class Speculator:
