@@ -15,7 +15,11 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """reference.rms_norm: (norm(x + residual) * weight, x + residual)."""
+    """reference.rms_norm: (norm(x + residual) * weight, x + residual). Rows strided apart
+    without a residual (Gemma's q/k heads, views of the q/k/v projection) are copied together
+    first, as the fused Gemma layer does (kernels/cpu/decode_layer.cpp's head_norm)."""
+    if residual is None and x.dim() > 1 and x.stride(-1) == 1 and not x.is_contiguous():
+        x = x.contiguous()
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if not _native_fits(x.dtype, tensors):
         return reference.rms_norm(x, weight, eps, residual)

@@ -40,15 +40,18 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 @pytest.mark.parametrize(
-    ("model", "dtype"), [(SMOLLM2, "auto"), (SMOLLM2, "float32"), (QWEN, "auto")]
+    ("model", "dtype"),
+    [(SMOLLM2, "auto"), (SMOLLM2, "float32"), (QWEN, "auto"), (GEMMA, "auto"), (GEMMA, "float32")],
 )
-def test_decode_steps_match_the_modules_bit_for_bit(model, dtype):
+def test_decode_steps_match_the_modules_bit_for_bit(model, dtype, fused_calls):
     pull(model)
     runs = {}
     for fused in (True, False):
         engine, seen = recording_engine(model, fused, dtype=dtype)
         requests = engine.generate(PROMPTS, greedy(12))
         runs[fused] = ([r.output_token_ids for r in requests], seen)
+        if fused:  # every decode step ran its layers fused
+            assert len(fused_calls) >= 11 * len(engine.runner.model.layers)
     assert runs[True][0] == runs[False][0]
     decode_steps = 0
     for (prefill, fused), (_, modules) in zip(runs[True][1], runs[False][1], strict=True):
@@ -102,8 +105,10 @@ def test_only_decode_steps_run_fused(fused_calls):
 def test_layers_that_do_not_fit_keep_their_modules():
     dense = Engine(EngineConfig(model=SMOLLM2, quantization="none", num_kv_blocks=16))
     assert dense.runner.model.fused_layers == [None] * len(dense.runner.model.layers)
-    pull(GEMMA)  # q/k norms, Gemma's norms and GELU MLP
+    pull(GEMMA)  # q/k norms, Gemma's norms and GELU MLP: fused as Gemma's, not as Llama's
     gemma = Engine(EngineConfig(model=GEMMA, num_kv_blocks=16))
-    assert gemma.runner.model.fused_layers == [None] * len(gemma.runner.model.layers)
-    text = gemma.generate([PROMPTS[0]], greedy(3))[0].output_token_ids
-    assert len(text) == 3
+    fused = gemma.runner.model.fused_layers
+    assert len(fused) == len(gemma.runner.model.layers)
+    assert all(isinstance(f, fused_decode.GemmaFusedLayer) for f in fused)
+    dense_gemma = Engine(EngineConfig(model=GEMMA, quantization="none", num_kv_blocks=16))
+    assert dense_gemma.runner.model.fused_layers == [None] * len(fused)

@@ -52,6 +52,21 @@ def test_rms_norm_keeps_leading_dimensions_and_falls_back_for_float16():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_of_strided_heads_is_the_native_kernel_on_their_copy(dtype):
+    """Gemma's q/k norms: heads viewed in the q/k/v projection's output (rows strided apart)
+    take the native kernel on a contiguous copy, as the fused Gemma layer does."""
+    g = generator(5)
+    qkv = torch.randn(5, 4 * 64 + 2 * 64, generator=g).to(dtype)
+    q = qkv[:, : 4 * 64].view(5, 4, 64)
+    assert not q.is_contiguous()
+    weight = torch.randn(64, generator=g).to(dtype)
+    out, _ = native_layer_ops.rms_norm(q, weight, 1e-6)
+    expected, _ = native_layer_ops.rms_norm(q.contiguous(), weight, 1e-6)
+    assert out.shape == q.shape and torch.equal(out, expected)
+    torch.testing.assert_close(out, reference.rms_norm(q, weight, 1e-6)[0], **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_rotary_is_the_reference_on_strided_qkv_columns(dtype, tokens):
     g = generator(tokens)

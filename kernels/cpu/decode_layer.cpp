@@ -1,4 +1,4 @@
-// One decoder layer of a decode step (Llama, Qwen2, Mistral) in one call: the same ops, in the
+// One decoder layer of a decode step (Llama, Qwen2, Mistral; Gemma 3 in gemma_decode_layer) in one call: the same ops, in the
 // same order, as runtime/models/llama.py's layer over runtime/models/layers.py's modules, called
 // through the dispatcher from here instead of from Python. The projections take the GGUF matmul
 // the modules would take at this step's row count (`matmul`: quant_dot_int8 or quant_dot for a few
@@ -75,9 +75,32 @@ struct Projection {
   c10::IntArrayRef types;
 };
 
+// Gemma's RMSNorm ((1 + w) folded at load, in float32): float32 rows take the kernel as they are;
+// others add the residual in their dtype, are normalised in float32 and cast back
+std::tuple<Tensor, Tensor> unit_offset_norm(const Tensor& x, const Tensor& folded, double eps,
+                                            const c10::optional<Tensor>& residual) {
+  if (x.scalar_type() == at::kFloat) return rms_norm(x, folded, eps, residual);
+  const Tensor sum = residual ? x + *residual : x;
+  auto [out, unused] = rms_norm(sum.to(at::kFloat), folded, eps, c10::nullopt);
+  return {out.to(x.scalar_type()), sum};
+}
+
+// q or k [T, heads, D] (a view of the q/k/v projection): each head's vector normalised, as
+// Gemma's q/k norms (runtime/models/layers.py's RMSNorm over kernels/native_layer_ops.py)
+Tensor head_norm(const Tensor& x, const Tensor& folded, double eps) {
+  const Tensor rows = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat);
+  auto [out, unused] = rms_norm(rows.reshape({-1, x.size(-1)}), folded, eps, c10::nullopt);
+  return out.view(x.sizes()).to(x.scalar_type());
+}
+
+struct QkNorms {  // Gemma's; none for Llama-style layers
+  c10::optional<Tensor> q, k;
+  double eps = 0.0;
+};
+
 Tensor attention(const Matmul& matmul, const Tensor& h, const Projection& qkv, const c10::optional<Tensor>& qkv_bias,
-                 const Projection& o, int64_t heads, int64_t kv_heads, int64_t dim, const Tensor& cos,
-                 const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                 const Projection& o, const QkNorms& norms, int64_t heads, int64_t kv_heads, int64_t dim,
+                 const Tensor& cos, const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
                  const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t sliding_window) {
   static const auto rotary = typed_op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                                  const Tensor&)>("conveyor_cpu::rotary_with_plan");
@@ -87,13 +110,27 @@ Tensor attention(const Matmul& matmul, const Tensor& h, const Projection& qkv, c
                                              const Tensor&, double, int64_t)>("conveyor_cpu::paged_attention_decode");
   const int64_t tokens = h.size(0), q_size = heads * dim, kv_size = kv_heads * dim;
   const Tensor mixed = project(matmul, h, qkv.parts, qkv.types, qkv_bias);  // [T, q_size + 2 kv_size]
-  const Tensor q = mixed.narrow(1, 0, q_size).view({tokens, heads, dim});
-  const Tensor k = mixed.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
+  Tensor q = mixed.narrow(1, 0, q_size).view({tokens, heads, dim});
+  Tensor k = mixed.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
   const Tensor v = mixed.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
+  if (norms.q) {
+    q = head_norm(q, *norms.q, norms.eps);
+    k = head_norm(k, *norms.k, norms.eps);
+  }
   auto [q_rot, k_rot] = rotary.call(q, k, cos, sin);
   store.call(k_rot, v, k_cache, v_cache, slots);
   const Tensor out = decode.call(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window);
   return project(matmul, out.reshape({tokens, q_size}), o.parts, o.types, c10::nullopt);
+}
+
+// down(act(gate) * up), gate and up the two halves of one projection [T, 2 I]; act SiLU or gelu-tanh
+Tensor gated_mlp(const Matmul& matmul, const Tensor& h, const Projection& gate_up, const Projection& down,
+                 bool gelu_tanh) {
+  const Tensor both = project(matmul, h, gate_up.parts, gate_up.types, c10::nullopt);
+  const int64_t intermediate = both.size(1) / 2;
+  const Tensor gate = both.narrow(1, 0, intermediate), up = both.narrow(1, intermediate, intermediate);
+  const Tensor act = (gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate)) * up;
+  return project(matmul, act, down.parts, down.types, c10::nullopt);
 }
 
 std::tuple<Tensor, Tensor> decode_layer(
@@ -108,13 +145,40 @@ std::tuple<Tensor, Tensor> decode_layer(
   const Matmul& matmul = matmul_named(matmul_name);
   auto [h, sum] = rms_norm(x, input_norm, eps, residual);
   const Tensor attended =
-      attention(matmul, h, {std::move(qkv_parts), qkv_types}, qkv_bias, {std::move(o_parts), o_types}, heads, kv_heads,
-                head_dim, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, scale, sliding_window);
+      attention(matmul, h, {std::move(qkv_parts), qkv_types}, qkv_bias, {std::move(o_parts), o_types}, QkNorms{},
+                heads, kv_heads, head_dim, cos, sin, k_cache, v_cache, slots, block_tables, seq_lens, scale,
+                sliding_window);
   auto [h2, sum2] = rms_norm(attended, post_norm, eps, sum);
-  const Tensor gate_up = project(matmul, h2, gate_up_parts, gate_up_types, c10::nullopt);  // [T, 2 I]
-  const int64_t intermediate = gate_up.size(1) / 2;
-  const Tensor act = at::silu(gate_up.narrow(1, 0, intermediate)) * gate_up.narrow(1, intermediate, intermediate);
-  return {project(matmul, act, down_parts, down_types, c10::nullopt), sum2};
+  return {gated_mlp(matmul, h2, {std::move(gate_up_parts), gate_up_types}, {std::move(down_parts), down_types},
+                    /*gelu_tanh=*/false),
+          sum2};
+}
+
+// Gemma 3's layer (runtime/models/gemma3.py): four unit-offset norms, two around attention and two
+// around the MLP, q/k norms before rope, a gelu-tanh gated MLP. norms: input, post-attention,
+// pre-feedforward and post-feedforward, each (1 + w) in float32.
+std::tuple<Tensor, Tensor> gemma_decode_layer(
+    const Tensor& x, const c10::optional<Tensor>& residual, std::vector<Tensor> norms, const Tensor& q_norm,
+    const Tensor& k_norm, double eps, std::vector<Tensor> qkv_parts, c10::IntArrayRef qkv_types,
+    std::vector<Tensor> o_parts, c10::IntArrayRef o_types, std::vector<Tensor> gate_up_parts,
+    c10::IntArrayRef gate_up_types, std::vector<Tensor> down_parts, c10::IntArrayRef down_types, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, const Tensor& cos, const Tensor& sin, const Tensor& k_cache,
+    const Tensor& v_cache, const Tensor& slots, const Tensor& block_tables, const Tensor& seq_lens, double scale,
+    int64_t sliding_window, c10::string_view matmul_name) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "gemma_decode_layer: x [tokens, hidden] on CPU");
+  TORCH_CHECK(norms.size() == 4, "gemma_decode_layer: four norms");
+  const Matmul& matmul = matmul_named(matmul_name);
+  auto [h, sum] = unit_offset_norm(x, norms[0], eps, residual);
+  const Tensor attended =
+      attention(matmul, h, {std::move(qkv_parts), qkv_types}, c10::nullopt, {std::move(o_parts), o_types},
+                QkNorms{q_norm, k_norm, eps}, heads, kv_heads, head_dim, cos, sin, k_cache, v_cache, slots,
+                block_tables, seq_lens, scale, sliding_window);
+  auto [h2, unused] = unit_offset_norm(attended, norms[1], eps, c10::nullopt);
+  auto [h3, sum2] = unit_offset_norm(h2, norms[2], eps, sum);
+  const Tensor mlp = gated_mlp(matmul, h3, {std::move(gate_up_parts), gate_up_types},
+                               {std::move(down_parts), down_types}, /*gelu_tanh=*/true);
+  auto [out, unused2] = unit_offset_norm(mlp, norms[3], eps, c10::nullopt);
+  return {out, sum2};
 }
 
 }  // namespace
@@ -128,4 +192,11 @@ TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
       "Tensor slots, Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, str matmul) -> "
       "(Tensor, Tensor)");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
+  m.def(
+      "gemma_decode_layer(Tensor x, Tensor? residual, Tensor[] norms, Tensor q_norm, Tensor k_norm, float eps, "
+      "Tensor[] qkv_parts, int[] qkv_types, Tensor[] o_parts, int[] o_types, Tensor[] gate_up_parts, "
+      "int[] gate_up_types, Tensor[] down_parts, int[] down_types, int heads, int kv_heads, int head_dim, "
+      "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
+      "Tensor seq_lens, float scale, int sliding_window, str matmul) -> (Tensor, Tensor)");
+  m.impl("gemma_decode_layer", c10::DispatchKey::CPU, &gemma_decode_layer);
 }

@@ -2,7 +2,8 @@
 the same kernels in the same order as the layer's modules, without the interpreter between them.
 
 A layer fits when its projections are all GGUF blocks of a type with a native kernel, its norms
-plain RMSNorm and its MLP SwiGLU (Llama, Qwen2, Mistral; Gemma's layers keep their modules). A
+plain RMSNorm and its MLP SwiGLU (Llama, Qwen2, Mistral: `decode_layer`), or when it is Gemma 3's
+(four unit-offset norms, q/k norms, a gelu-tanh MLP: `gemma_decode_layer`, GemmaFusedLayer). A
 step fits when it is made of decode queries only and its quantized matmuls take a native kernel
 (cpu_kernels.native_kernel: integer dots for a few rows, 8-bit or bfloat16 tiles for a full
 batch); the fused layer calls that kernel, so it computes bit for bit what the modules would.
@@ -65,7 +66,8 @@ class FusedLayer:
     @classmethod
     def of(cls, layer: nn.Module) -> FusedLayer | None:
         """The fused form of a layer, or None where it does not fit."""
-        dtype = _plain_layer_dtype(layer)
+        gemma = _gemma_layer_dtype(layer)
+        dtype = gemma or _plain_layer_dtype(layer)
         if dtype is None:
             return None
         attn, mlp = layer.self_attn, layer.mlp
@@ -75,19 +77,80 @@ class FusedLayer:
             return None
         if any(getattr(m, "bias", None) is not None for m in modules[1:]):
             return None
-        return cls(layer, projections, dtype)
+        return (GemmaFusedLayer if gemma else cls)(layer, projections, dtype)
 
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, matmul: str
     ):  # fmt: skip
         """matmul: the GGUF kernel's name, from step_matmul."""
+        return self._op()(
+            x, residual, *self.norms, self.eps, *self.weights, *self._step(ctx, matmul)
+        )
+
+    def _op(self):
+        return native_ops().decode_layer
+
+    def _step(self, ctx: ForwardContext, matmul: str) -> tuple:
+        """The step's arguments after the weights: rope, caches, attention metadata, matmul."""
         attn, meta = self.attn, ctx.attn
         plan, i = ctx.rope[attn.rope], attn.layer_index
-        return native_ops().decode_layer(
-            x, residual, *self.norms, self.eps, *self.weights, plan.cos, plan.sin,
-            ctx.k_caches[i], ctx.v_caches[i], meta.slot_mapping, meta.decode_block_tables,
-            meta.decode_seq_lens, attn.scale, attn.sliding_window or 0, matmul,
+        return (
+            plan.cos, plan.sin, ctx.k_caches[i], ctx.v_caches[i], meta.slot_mapping,
+            meta.decode_block_tables, meta.decode_seq_lens, attn.scale, attn.sliding_window or 0,
+            matmul,
         )  # fmt: skip
+
+
+class GemmaFusedLayer(FusedLayer):
+    """Gemma 3's layer for gemma_decode_layer: its four norms and its q/k norms as (1 + w) in
+    float32 (RMSNorm.folded_weight), no q/k/v bias."""
+
+    def __init__(self, layer: nn.Module, projections: list, dtype: torch.dtype) -> None:
+        attn = layer.self_attn
+        self.attn, self.dtype = attn, dtype
+        norms = [getattr(layer, name).folded_weight for name in GEMMA_NORMS]
+        self.norms = (norms, attn.q_norm.folded_weight, attn.k_norm.folded_weight)
+        self.eps = layer.input_layernorm.eps
+        (qkv, qkv_types), o, gate_up, down = projections
+        self.weights = (
+            qkv,
+            qkv_types,
+            *o,
+            *gate_up,
+            *down,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+        )
+
+    def _op(self):
+        return native_ops().gemma_decode_layer
+
+
+GEMMA_NORMS = (
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)  # fmt: skip
+
+
+def _gemma_layer_dtype(layer: nn.Module) -> torch.dtype | None:
+    """The dtype of a Gemma 3 layer whose norms are folded (1 + w in float32), else None."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if (
+        attn is None
+        or attn.q_norm is None
+        or getattr(mlp, "activation", None) != "gelu_pytorch_tanh"
+    ):
+        return None
+    norms = [getattr(layer, name, None) for name in GEMMA_NORMS]
+    norms += [attn.q_norm, attn.k_norm]
+    if any(n is None or n.folded_weight is None for n in norms):
+        return None
+    if any(n.folded_weight.dtype != torch.float32 for n in norms):
+        return None
+    eps = {n.eps for n in norms}
+    dtype = layer.input_layernorm.weight.dtype
+    return dtype if len(eps) == 1 and dtype in NATIVE_DTYPES else None
 
 
 def step_matmul(ctx: ForwardContext, x: torch.Tensor, backend, dtype: torch.dtype) -> str | None:

@@ -115,6 +115,7 @@ class GatedMLP(StepModule):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.activation = config.hidden_activation  # its name
         self.act = ACTIVATIONS[config.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
