@@ -25,6 +25,8 @@ class Kernels:
     # the CPU's: this step's cos/sin rows prepared once, then applied in every layer
     prepare_rotary: Callable[..., reference.RotaryPlan] = reference.prepare_rotary
     rotary_with_plan: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.rotary_with_plan
+    # Gemma's norm over bfloat16 rows with a float32 weight; None: composed of rms_norm
+    rms_norm_in_float32: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 REFERENCE_KERNELS = Kernels(
@@ -59,6 +61,7 @@ def _native_cpu_kernels() -> Kernels:
         name="native-cpu",
         store_kvcache=ops.store_kvcache,
         rms_norm=ops.rms_norm,
+        rms_norm_in_float32=ops.rms_norm_in_float32,
         prepare_rotary=ops.prepare_rotary,
         rotary_with_plan=ops.rotary_with_plan,
     )

@@ -15,15 +15,36 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """reference.rms_norm: (norm(x + residual) * weight, x + residual). Rows strided apart
-    without a residual (Gemma's q/k heads, views of the q/k/v projection) are copied together
-    first, as the fused Gemma layer does (kernels/cpu/decode_layer.cpp's head_norm)."""
-    if residual is None and x.dim() > 1 and x.stride(-1) == 1 and not x.is_contiguous():
-        x = x.contiguous()
-    tensors = (x, weight) if residual is None else (x, weight, residual)
-    if not _native_fits(x.dtype, tensors):
+    """reference.rms_norm: (norm(x + residual) * weight, x + residual)."""
+    if not _norm_fits(x, weight, residual, weight_dtype=x.dtype):
         return reference.rms_norm(x, weight, eps, residual)
-    rows = x.reshape(-1, x.shape[-1])
+    return _native_norm(x, weight, eps, residual)
+
+
+def rms_norm_in_float32(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rms_norm_in_float32 (Gemma's norm: bfloat16 rows, a float32 weight) in one
+    native call, without the rows' float32 copy: the kernel computes in float32 and rounds once."""
+    if x.dtype != torch.bfloat16 or not _norm_fits(x, weight, residual, torch.float32):
+        return reference.rms_norm_in_float32(x, weight, eps, residual, rms_norm=rms_norm)
+    return _native_norm(x, weight, eps, residual)
+
+
+def _norm_fits(x, weight, residual, weight_dtype: torch.dtype) -> bool:
+    """Rows strided apart without a residual (Gemma's q/k heads, views of the q/k/v projection)
+    fit too: they are copied together first, as the fused Gemma layer does
+    (kernels/cpu/decode_layer.cpp's head_norm)."""
+    if not _native_fits(weight_dtype, (weight,)):
+        return False
+    if residual is not None:
+        return _native_fits(x.dtype, (x, residual))
+    rows_fit = x.is_contiguous() or (x.dim() > 1 and x.stride(-1) == 1)
+    return rows_fit and x.dtype in NATIVE_DTYPES and not x.is_cuda
+
+
+def _native_norm(x, weight, eps, residual) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.contiguous().reshape(-1, x.shape[-1])
     extra = None if residual is None else residual.reshape(rows.shape)
     out, total = native_ops().rms_norm(rows, weight, eps, extra)
     return out.view(x.shape), x if residual is None else total.view(x.shape)

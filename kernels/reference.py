@@ -277,6 +277,22 @@ def rms_norm(
     return weight * x32.to(x.dtype), residual
 
 
+def rms_norm_in_float32(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    rms_norm=rms_norm,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's norm over rows in a narrower dtype: x + residual in x's dtype, then normalised and
+    multiplied by weight (float32: its 1 + w) in float32 by `rms_norm`, rounded once to x's
+    dtype (Gemma's reference: (1 + w) in bfloat16 would round w away)."""
+    if residual is not None:
+        x = x + residual
+    out, _ = rms_norm(x.float(), weight, eps)
+    return out.to(x.dtype), x
+
+
 @dataclass
 class RotaryPlan:
     """cos/sin rows of one step's positions in the activations' dtype (as HF Llama casts them);

@@ -51,6 +51,33 @@ def test_rms_norm_keeps_leading_dimensions_and_falls_back_for_float16():
     torch.testing.assert_close(out, reference.rms_norm(half, weight.half(), 1e-6)[0])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemmas_norm_over_bfloat16_rows_is_the_float32_norm_rounded_once(rows, with_residual):
+    """A float32 weight (Gemma's 1 + w) over bfloat16 rows: one native call gives, bit for bit,
+    what x.float() through the float32 norm and .to(bfloat16) give."""
+    g = generator(rows)
+    x = (torch.randn(rows, 640, generator=g) * 3).to(torch.bfloat16)
+    weight = torch.randn(640, generator=g) + 1.0
+    residual = torch.randn(rows, 640, generator=g).to(torch.bfloat16) if with_residual else None
+    out, total = native_layer_ops.rms_norm_in_float32(x, weight, 1e-6, residual)
+    composed = reference.rms_norm_in_float32(
+        x, weight, 1e-6, residual, rms_norm=native_layer_ops.rms_norm
+    )
+    assert out.dtype == total.dtype == torch.bfloat16
+    assert torch.equal(out, composed[0]) and torch.equal(total, composed[1])
+    expected = reference.rms_norm_in_float32(x, weight, 1e-6, residual)  # torch's own ops
+    torch.testing.assert_close(out, expected[0], **TOLERANCES[torch.bfloat16])
+    heads = (
+        torch.randn(rows, 4 * 64 + 128, generator=g).to(torch.bfloat16)[:, :256].view(rows, 4, 64)
+    )
+    out, _ = native_layer_ops.rms_norm_in_float32(heads, weight[:64].contiguous(), 1e-6)
+    composed, _ = reference.rms_norm_in_float32(
+        heads, weight[:64], 1e-6, rms_norm=native_layer_ops.rms_norm
+    )
+    assert torch.equal(out, composed)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_of_strided_heads_is_the_native_kernel_on_their_copy(dtype):
     """Gemma's q/k norms: heads viewed in the q/k/v projection's output (rows strided apart)

@@ -75,22 +75,13 @@ struct Projection {
   c10::IntArrayRef types;
 };
 
-// Gemma's RMSNorm ((1 + w) folded at load, in float32): float32 rows take the kernel as they are;
-// others add the residual in their dtype, are normalised in float32 and cast back
-std::tuple<Tensor, Tensor> unit_offset_norm(const Tensor& x, const Tensor& folded, double eps,
-                                            const c10::optional<Tensor>& residual) {
-  if (x.scalar_type() == at::kFloat) return rms_norm(x, folded, eps, residual);
-  const Tensor sum = residual ? x + *residual : x;
-  auto [out, unused] = rms_norm(sum.to(at::kFloat), folded, eps, c10::nullopt);
-  return {out.to(x.scalar_type()), sum};
-}
-
 // q or k [T, heads, D] (a view of the q/k/v projection): each head's vector normalised, as
-// Gemma's q/k norms (runtime/models/layers.py's RMSNorm over kernels/native_layer_ops.py)
+// Gemma's q/k norms (runtime/models/layers.py's RMSNorm over kernels/native_layer_ops.py). Gemma's
+// norms, (1 + w) folded at load in float32, take rms_norm as any: over bfloat16 rows the kernel
+// computes in float32 and rounds once (kernels/cpu/layer_ops.cpp).
 Tensor head_norm(const Tensor& x, const Tensor& folded, double eps) {
-  const Tensor rows = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat);
-  auto [out, unused] = rms_norm(rows.reshape({-1, x.size(-1)}), folded, eps, c10::nullopt);
-  return out.view(x.sizes()).to(x.scalar_type());
+  auto [out, unused] = rms_norm(x.contiguous().reshape({-1, x.size(-1)}), folded, eps, c10::nullopt);
+  return out.view(x.sizes());
 }
 
 struct QkNorms {  // Gemma's; none for Llama-style layers
@@ -168,16 +159,16 @@ std::tuple<Tensor, Tensor> gemma_decode_layer(
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "gemma_decode_layer: x [tokens, hidden] on CPU");
   TORCH_CHECK(norms.size() == 4, "gemma_decode_layer: four norms");
   const Matmul& matmul = matmul_named(matmul_name);
-  auto [h, sum] = unit_offset_norm(x, norms[0], eps, residual);
+  auto [h, sum] = rms_norm(x, norms[0], eps, residual);
   const Tensor attended =
       attention(matmul, h, {std::move(qkv_parts), qkv_types}, c10::nullopt, {std::move(o_parts), o_types},
                 QkNorms{q_norm, k_norm, eps}, heads, kv_heads, head_dim, cos, sin, k_cache, v_cache, slots,
                 block_tables, seq_lens, scale, sliding_window);
-  auto [h2, unused] = unit_offset_norm(attended, norms[1], eps, c10::nullopt);
-  auto [h3, sum2] = unit_offset_norm(h2, norms[2], eps, sum);
+  auto [h2, unused] = rms_norm(attended, norms[1], eps, c10::nullopt);
+  auto [h3, sum2] = rms_norm(h2, norms[2], eps, sum);
   const Tensor mlp = gated_mlp(matmul, h3, {std::move(gate_up_parts), gate_up_types},
                                {std::move(down_parts), down_types}, /*gelu_tanh=*/true);
-  auto [out, unused2] = unit_offset_norm(mlp, norms[3], eps, c10::nullopt);
+  auto [out, unused2] = rms_norm(mlp, norms[3], eps, c10::nullopt);
   return {out, sum2};
 }
 

@@ -11,7 +11,10 @@
 // Shapes:
 //   rms_norm(x [rows, n], weight [n], eps, residual [rows, n]?) -> (out [rows, n], x + residual)
 //     (without residual the second is empty: x is the sum, and an op must not return its input)
-//     x, weight, residual: one dtype, float32 or bfloat16, contiguous
+//     x, weight, residual: one dtype, float32 or bfloat16, contiguous; or bfloat16 x and residual
+//     with a float32 weight (Gemma's 1 + w): normalised in float32, rounded once to bfloat16
+//     (x.float() through the float32 norm, then .to(bfloat16); kernels/reference.py's
+//     rms_norm_in_float32)
 //   rotary_with_plan(q [tokens, heads, d], k [tokens, kv_heads, d], cos [tokens, 1, d],
 //                    sin [tokens, 1, d]) -> (q', k') contiguous
 //     q, k may be strided views (the fused qkv's columns); their last dimension is contiguous;
@@ -38,8 +41,11 @@ inline T rounded(float v) {
   return static_cast<T>(v);  // bfloat16: round to nearest even, as torch's ops store
 }
 
-template <typename T>
-void rms_norm_rows(const T* x, const T* residual, const T* weight, float eps, int64_t rows, int64_t n,
+// W, the weight's dtype, is the one the norm computes in: x's own (x / rms rounded to it before the
+// weight multiplies it), or float32 over bfloat16 rows (Gemma's (1 + w): x / rms and the product in
+// float32, rounded once to bfloat16, as x.float() -> the float32 norm -> .to(bfloat16))
+template <typename T, typename W = T>
+void rms_norm_rows(const T* x, const T* residual, const W* weight, float eps, int64_t rows, int64_t n,
                    T* out, T* sum) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -54,8 +60,8 @@ void rms_norm_rows(const T* x, const T* residual, const T* weight, float eps, in
       const float inverse_rms = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
       T* o = out + r * n;
       for (int64_t i = 0; i < n; ++i) {
-        const float normed = static_cast<float>(rounded<T>(static_cast<float>(s[i]) * inverse_rms));
-        o[i] = rounded<T>(static_cast<float>(weight[i]) * normed);
+        const float normed = static_cast<float>(rounded<W>(static_cast<float>(s[i]) * inverse_rms));
+        o[i] = rounded<T>(static_cast<float>(rounded<W>(static_cast<float>(weight[i]) * normed)));
       }
     }
   });
@@ -71,7 +77,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "rms_norm: x [rows, n], float32 or bfloat16");
   check_same(x, x, "x");
-  check_same(weight, x, "weight");
+  const bool float_weight = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kFloat;
+  check_same(weight, float_weight ? weight : x, "weight");
   TORCH_CHECK(weight.numel() == x.size(1), "rms_norm: weight [", x.size(1), "]");
   if (residual) {
     check_same(*residual, x, "residual");
@@ -83,6 +90,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   if (x.scalar_type() == at::kFloat) {
     rms_norm_rows(x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr, weight.data_ptr<float>(),
                   static_cast<float>(eps), rows, n, out.data_ptr<float>(), residual ? sum.data_ptr<float>() : nullptr);
+  } else if (float_weight) {
+    using B = at::BFloat16;
+    rms_norm_rows(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr, weight.data_ptr<float>(),
+                  static_cast<float>(eps), rows, n, out.data_ptr<B>(), residual ? sum.data_ptr<B>() : nullptr);
   } else {
     using B = at::BFloat16;
     rms_norm_rows(x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr, weight.data_ptr<B>(),

@@ -99,10 +99,12 @@ class RMSNorm(StepModule):
             return self.kernels.rms_norm(x, self.weight, self.eps, residual)
         if x.dtype == torch.float32:
             return self.kernels.rms_norm(x, self.folded_weight, self.eps, residual)
-        if residual is not None:
-            x = x + residual
-        out, _ = self.kernels.rms_norm(x.float(), self.folded_weight, self.eps)
-        return out.to(x.dtype), x
+        in_float32 = self.kernels.rms_norm_in_float32
+        if in_float32 is not None:
+            return in_float32(x, self.folded_weight, self.eps, residual)
+        return reference.rms_norm_in_float32(
+            x, self.folded_weight, self.eps, residual, rms_norm=self.kernels.rms_norm
+        )
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
