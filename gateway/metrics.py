@@ -143,7 +143,9 @@ class Metrics:
     def observe_refused(self, tenant: str, reason: str) -> None:
         self.rate_limited.labels(tenant, reason).inc()
 
-    def render(self, snapshot: EngineSnapshot | None = None, info: EngineInfo | None = None) -> bytes:
+    def render(
+        self, snapshot: EngineSnapshot | None = None, info: EngineInfo | None = None
+    ) -> bytes:
         """The exposition text; engine series only with a snapshot (none before the model)."""
         self.engine_collector.snapshot = snapshot
         self.engine_collector.info = info

@@ -49,8 +49,8 @@ REQUEST_ID_HEADER = {"x-request-id": header("this request's id; finds its audit 
 RETRY_AFTER_HEADER = {"Retry-After": header("seconds to wait before retrying", "integer")}
 RATE_LIMIT_HEADERS = {
     "x-ratelimit-limit-requests": header(
-        "the tightest requests per minute that applied (the tenant's, the key's or the"
-        " model's)", "integer"
+        "the tightest requests per minute that applied (the tenant's, the key's or the model's)",
+        "integer",
     ),
     "x-ratelimit-remaining-requests": header("requests still admissible now", "integer"),
     "x-ratelimit-reset-requests": header("time until one more request is admissible, e.g. 1s"),
