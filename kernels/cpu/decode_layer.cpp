@@ -1,6 +1,7 @@
-// One decoder layer of a decode step (Llama, Qwen2, Mistral; Gemma 3 in gemma_decode_layer) in one call: the same ops, in the
-// same order, as runtime/models/llama.py's layer over runtime/models/layers.py's modules, called
-// through the dispatcher from here instead of from Python. The projections take the GGUF matmul
+// One decoder layer of a decode step (Llama, Qwen2, Mistral; Gemma 3 in gemma_decode_layer) in one
+// call: the same ops, in the same order, as the layer over runtime/models/layers.py's modules
+// (runtime/models/llama.py's, gemma3.py's), called through the dispatcher from here instead of
+// from Python. The projections take the GGUF matmul
 // the modules would take at this step's row count (`matmul`: quant_dot_int8 or quant_dot for a few
 // rows, quant_gemm_int8 or quant_gemm for a full batch; runtime/models/cpu_kernels.py decides). A
 // SmolLM2 decode step makes about 25 small calls a layer; from Python each costs microseconds of

@@ -47,6 +47,16 @@ def _plain_layer_dtype(layer: nn.Module) -> torch.dtype | None:
     return dtype if dtype in NATIVE_DTYPES else None
 
 
+def _layer_weights(attn: nn.Module, projections: list, *qkv_bias) -> tuple:
+    """The projections' (blocks, types), q/k/v's bias where the op takes one, and the heads: the
+    fused ops' arguments between the norms and the step's."""
+    (qkv, qkv_types), o, gate_up, down = projections
+    return (
+        qkv, qkv_types, *qkv_bias, *o, *gate_up, *down,
+        attn.num_heads, attn.num_kv_heads, attn.head_dim,
+    )  # fmt: skip
+
+
 class FusedLayer:
     """A decoder layer's weights laid out once for decode_layer's arguments."""
 
@@ -57,11 +67,8 @@ class FusedLayer:
         bias = attn.qkv_proj.bias
         self.norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         self.eps = layer.input_layernorm.eps
-        (qkv, qkv_types), o, gate_up, down = projections
-        self.weights = (
-            qkv, qkv_types, None if bias is None else bias.detach().to(dtype),
-            *o, *gate_up, *down, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-        )  # fmt: skip
+        qkv_bias = None if bias is None else bias.detach().to(dtype)
+        self.weights = _layer_weights(attn, projections, qkv_bias)
 
     @classmethod
     def of(cls, layer: nn.Module) -> FusedLayer | None:
@@ -111,17 +118,7 @@ class GemmaFusedLayer(FusedLayer):
         norms = [getattr(layer, name).folded_weight for name in GEMMA_NORMS]
         self.norms = (norms, attn.q_norm.folded_weight, attn.k_norm.folded_weight)
         self.eps = layer.input_layernorm.eps
-        (qkv, qkv_types), o, gate_up, down = projections
-        self.weights = (
-            qkv,
-            qkv_types,
-            *o,
-            *gate_up,
-            *down,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-        )
+        self.weights = _layer_weights(attn, projections)  # no q/k/v bias argument
 
     def _op(self):
         return native_ops().gemma_decode_layer

@@ -68,12 +68,10 @@ class AcceptanceTracker:
     @property
     def engine_rate(self) -> float:
         """The starting rate of a request without evidence of its own."""
-        accepted, tried = self._engine_trials
-        return (accepted + self.prior * self.prior_weight) / (tried + self.prior_weight)
+        return toward(self._engine_trials, self.prior, self.prior_weight)
 
     def rate(self, request_id: str) -> float:
-        accepted, tried = self._trials.get(request_id, (0.0, 0.0))
-        return (accepted + self.engine_rate * self.prior_weight) / (tried + self.prior_weight)
+        return toward(self._trials.get(request_id, (0.0, 0.0)), self.engine_rate, self.prior_weight)
 
     def cautious_rate(self, request_id: str) -> float:
         """rate() less one standard error of it (a Beta posterior's, over the request's decayed
@@ -142,3 +140,8 @@ def decayed(
 ) -> tuple[float, float]:
     """(accepted, tried) after one more observation: the old evidence weighs `decay`."""
     return decay * trials[0] + accepted, decay * trials[1] + tried
+
+
+def toward(trials: tuple[float, float], prior: float, weight: float) -> float:
+    """The rate of (successes, trials), pulled toward prior as if by `weight` trials at it."""
+    return (trials[0] + prior * weight) / (trials[1] + weight)

@@ -11,7 +11,7 @@ copy every lookup matches and the price is the lookup's 50-80 µs, under 1% of a
 
 from __future__ import annotations
 
-from runtime.spec.acceptance import decayed
+from runtime.spec.acceptance import decayed, toward
 
 MIN_MATCH_RATE = 0.02  # a request's match rate is floored here: one lookup is priced at 50 at most
 
@@ -48,12 +48,8 @@ class LookupCost:
         return seconds / lookups if lookups else 0.0
 
     def match_rate(self, request_id: str) -> float:
-        engine_matched, engine_looked_up = self._engine_matches
-        engine = (engine_matched + self.prior * self.prior_weight) / (
-            engine_looked_up + self.prior_weight
-        )
-        matched, looked_up = self._matches.get(request_id, (0.0, 0.0))
-        return (matched + engine * self.prior_weight) / (looked_up + self.prior_weight)
+        engine = toward(self._engine_matches, self.prior, self.prior_weight)
+        return toward(self._matches.get(request_id, (0.0, 0.0)), engine, self.prior_weight)
 
     def seconds_per_drafting_row(self, request_id: str) -> float:
         """The lookups' seconds a row that drafts costs: one lookup over its match rate."""

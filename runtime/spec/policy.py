@@ -251,7 +251,9 @@ class SpeculationPolicy:
         if work is None:
             by_model = self.draft_cost is not None
             return lambda i: (per_draft, 0.0, by_model)
-        per_catch_up = self.draft_cost.seconds_per_catch_up_token if self.draft_cost else 0.0
+        per_catch_up = (
+            self.draft_cost.seconds_per_catch_up_token if self.draft_cost is not None else 0.0
+        )
         priced: dict[int, tuple[float, float, bool]] = {}
 
         def price(i: int) -> tuple[float, float, bool]:
