@@ -414,8 +414,9 @@ def test_no_forced_probe_where_even_accepted_drafts_would_not_pay():
 
 
 def test_the_speculator_hands_the_policys_probes_to_prompt_lookup():
-    """Rows whose drafts all failed get k = 0, then a forced probe: prompt lookup drafts it only
-    after a long match (the row "long"), not after two tokens (the row "short")."""
+    """Rows whose drafts all failed get k = 0, then a forced probe: prompt lookup probes only
+    after a long match (the row "long"), not after two tokens (the row "short"), nor a row
+    whose history has no match at all, a new request ("fresh") included."""
     policy = SpeculationPolicy(8, fitted_cost(0.02, 0.00001), AcceptanceTracker(probe_interval=1))
     for _ in range(30):
         policy.observe("short", 4, 0)
@@ -423,8 +424,24 @@ def test_the_speculator_hands_the_policys_probes_to_prompt_lookup():
     speculator = Speculator(8, PromptLookup(NgramConfig(2, 32, 8)), policy)
     short = Request("short", [1, 2, 3, 40, 41, 42, 9, 2, 3])
     long = Request("long", [5, 6, 7, 8, 50, 51, 52, 9, 5, 6, 7, 8])
-    assert speculator.propose([short, long], [8, 8], 2, 2, 100) == [[], [50]]
-    assert policy.probes == {0, 1}
+    fresh = Request("fresh", [5, 6, 7, 8, 9, 10])
+    assert speculator.propose([short, long, fresh], [8, 8, 8], 3, 3, 100) == [[], [50], []]
+    assert policy.probes == {1}
+
+
+def test_prompt_lookup_offers_only_the_drafts_its_match_has():
+    """Looked up before the policy chooses: no match, k = 0 (a new request's rate, the engine
+    prior's 0.5, would draft); a match near the history's end, at most the tokens after it."""
+    policy = SpeculationPolicy(8, fitted_cost(0.02, 0.00001), AcceptanceTracker())
+    speculator = Speculator(8, PromptLookup(NgramConfig(2, 32, 8)), policy)
+    for _ in range(30):
+        policy.observe("near_end", 2, 2)
+        policy.observe("no_match", 2, 2)
+    near_end = Request("near_end", [1, 2, 3, 4, 5, 6, 7, 9, 9, 9])  # [9, 9] then one 9 more
+    no_match = Request("no_match", [1, 2, 3, 4, 5, 6, 7, 8])
+    drafts = speculator.propose([near_end, no_match], [8, 8], 2, 2, 100)
+    assert drafts == [[9], []]
+    assert speculator.num_rows_per_k == {1: 1, 0: 1}
 
 
 def test_the_cost_model_returns_measured_shapes_and_interpolates_between_them():

@@ -3,14 +3,21 @@
 import numpy as np
 import pytest
 
-from runtime.spec.proposer import NgramConfig, NgramProposer, TokenHistories, history_of
+from runtime.spec.policy import DraftWork
+from runtime.spec.proposer import (
+    FEW_CANDIDATES,
+    NgramConfig,
+    NgramProposer,
+    TokenHistories,
+    TokenHistory,
+)
 from runtime.spec.speculator import PROBE_MIN_NGRAM, PromptLookup
 from scheduler.request import Request
 
 
 def propose(history, k, ngram_min=1, ngram_max=3, cap=5):
     proposer = NgramProposer(NgramConfig(ngram_min, ngram_max, cap))
-    return proposer.propose([np.array(history)], [k])[0].tolist()
+    return proposer.propose([TokenHistory(ngram_min, history)], [k])[0]
 
 
 def test_the_tokens_after_the_matched_ngram_are_proposed():
@@ -57,9 +64,8 @@ def test_a_draft_stops_at_the_end_of_the_history():
 
 def test_a_batch_gets_one_draft_per_row():
     proposer = NgramProposer(NgramConfig(1, 3, 4))
-    histories = [np.array([1, 2, 3, 1]), np.array([9, 8]), np.array([5, 6, 5])]
-    drafts = proposer.propose(histories, [2, 2, 0])
-    assert [d.tolist() for d in drafts] == [[2, 3], [], []]
+    histories = [TokenHistory(1, h) for h in ([1, 2, 3, 1], [9, 8], [5, 6, 5])]
+    assert proposer.propose(histories, [2, 2, 0]) == [[2, 3], [], []]
 
 
 @pytest.mark.parametrize("ngram_max", [2, 4, 32])
@@ -75,8 +81,9 @@ def test_a_long_history_matches_like_a_python_scan(seed, ngram_max):
         span[int(rng.integers(0, length))] = int(rng.integers(0, 20))
         history += span
     proposer = NgramProposer(NgramConfig(2, ngram_max, 5))
-    got = proposer.propose_one(np.array(history), 5).tolist()
-    assert got == slow_lookup(history, 2, ngram_max, 5)
+    for key_length in (1, 2):  # the index keyed on the shortest match, or shorter
+        got = proposer.propose_one(TokenHistory(key_length, history), 5)
+        assert got == slow_lookup(history, 2, ngram_max, 5)
 
 
 def test_the_default_ngram_max_finds_the_place_being_copied():
@@ -84,9 +91,9 @@ def test_the_default_ngram_max_finds_the_place_being_copied():
     # [10, 11, 12] came before the 4-gram), so the second, more recent, would propose 60
     source = [10, 11, 12, 1, 2, 3, 4, 50, 51, 20, 21, 22, 1, 2, 3, 4, 60, 61]
     proposer = NgramProposer(NgramConfig())
-    copying = np.array(source + [7, 10, 11, 12, 1, 2, 3, 4])
-    assert proposer.propose_one(copying, 2).tolist() == [50, 51]
-    assert propose(copying.tolist(), k=2, ngram_min=2, ngram_max=4) == [60, 61]
+    copying = source + [7, 10, 11, 12, 1, 2, 3, 4]
+    assert proposer.propose_one(TokenHistory(2, copying), 2) == [50, 51]
+    assert propose(copying, k=2, ngram_min=2, ngram_max=4) == [60, 61]
 
 
 def slow_lookup(history, n_min, n_max, k):
@@ -106,17 +113,26 @@ def test_bad_settings_are_refused(bad):
 
 def test_token_histories_follow_a_request_as_its_output_grows_and_goes_back():
     request = Request("r", [5, 6, 7])
-    histories = TokenHistories()
+    histories = TokenHistories(2)
+
+    def assert_follows(request):
+        history = histories.of(request)
+        tokens = request.prompt_token_ids + request.output_token_ids
+        assert history.tokens == tokens and history.array().tolist() == tokens
+        assert history.earlier_ends() == [
+            end for end in range(1, len(tokens) - 1) if tokens[end - 1 : end + 1] == tokens[-2:]
+        ]
+
     for token in range(40):  # grown in place, past each buffer's capacity
-        request.output_token_ids.append(token)
-        assert histories.of(request).tolist() == history_of(request).tolist()
+        request.output_token_ids.append(token % 7)
+        assert_follows(request)
     del request.output_token_ids[-10:]  # fewer tokens: rebuilt
-    assert histories.of(request).tolist() == history_of(request).tolist()
+    assert_follows(request)
     request.output_token_ids[-1] = 99  # its last token changed: rebuilt
     request.output_token_ids.append(100)
-    assert histories.of(request).tolist() == history_of(request).tolist()
+    assert_follows(request)
     histories.release("r")
-    assert histories.of(Request("r", [1, 2])).tolist() == [1, 2]
+    assert histories.of(Request("r", [1, 2])).tokens == [1, 2]
 
 
 def test_a_forced_probe_drafts_only_after_a_long_match():
@@ -128,3 +144,40 @@ def test_a_forced_probe_drafts_only_after_a_long_match():
     long = Request("long", [*tail, 50, 51, 52, 9, *tail])  # the last PROBE_MIN_NGRAM matched
     assert lookup.propose_rows([short, long], [2, 2]) == [[40, 41], [50, 51]]
     assert lookup.propose_rows([short, long], [1, 1], probing=[True, True]) == [[], [50]]
+
+
+@pytest.mark.parametrize("vocabulary", [1, 2, 3])
+def test_many_candidates_are_narrowed_like_few(vocabulary):
+    """A model repeating itself makes every position a candidate: past FEW_CANDIDATES they are
+    narrowed in numpy, to the same place a Python scan finds."""
+    rng = np.random.default_rng(vocabulary)
+    history = [int(t) for t in rng.integers(0, vocabulary, size=400)]
+    history += history[100:180]
+    for n_max in (3, 32):
+        proposer = NgramProposer(NgramConfig(2, n_max, 6))
+        tokens = TokenHistory(1, history)
+        assert len(tokens.earlier_ends()) > FEW_CANDIDATES
+        assert proposer.propose_one(tokens, 6) == slow_lookup(history, 2, n_max, 6)
+
+
+def test_a_match_is_measured_up_to_extend_to():
+    """One lookup serves a chosen draft (ngram_min) and a forced probe (a longer match): the
+    place is ngram_min's, the length measured on up to extend_to."""
+    history = [3, 1, 7, 8, 40, 41, 9, 3, 1, 7, 8]  # the last 4 tokens matched at 0..3
+    proposer = NgramProposer(NgramConfig(2, 32, 4), extend_to=4)
+    match = proposer.match(TokenHistory(2, history))
+    assert (match.start, match.length) == (4, 4)
+    short = NgramProposer(NgramConfig(2, 2, 4), extend_to=3).match(TokenHistory(2, history))
+    assert (short.start, short.length) == (4, 3)
+    assert NgramProposer(NgramConfig(2, 32, 4)).match(TokenHistory(2, [1, 2, 3])).start == -1
+
+
+def test_prompt_lookup_tells_the_policy_what_each_row_has():
+    lookup = PromptLookup(NgramConfig(2, 32, 8))
+    assert lookup.draft_work(Request("none", [1, 2, 3, 4])) == DraftWork(
+        by_model=False, most_drafts=0, may_probe=False
+    )
+    short = lookup.draft_work(Request("short", [1, 2, 3, 40, 41, 42, 9, 2, 3]))
+    assert (short.most_drafts, short.may_probe) == (6, False)
+    long = lookup.draft_work(Request("long", [5, 6, 7, 8, 50, 51, 52, 9, 5, 6, 7, 8]))
+    assert (long.most_drafts, long.may_probe) == (8, True)

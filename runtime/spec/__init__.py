@@ -2,9 +2,8 @@
 prompt lookup (`proposer`) and a draft model with its own paged KV cache (`draft_model`,
 `draft_proposer`), batched verification with exact greedy acceptance and
 rejection sampling (`verify`), the "never a loss" policy that picks each row's k from its
-measured acceptance and the engine's measured step cost (`policy`; prompt lookup's lookups
-priced by `lookup_cost`), and the counters the
-Prometheus exporter reads (`stats`).
+measured acceptance and the engine's measured step cost (`policy`, `step_cost`, `acceptance`),
+and the counters the Prometheus exporter reads (`stats`).
 
 How they plug into the step (`--speculative ngram|draft`; `speculator.Speculator` is the glue):
 - scheduler/drafts.py: after every normal token is scheduled, the steady decodes are offered to

@@ -96,7 +96,8 @@ class DraftModelProposer:
                 DRAFT_LOOKUP_MIN_NGRAM, DRAFT_LOOKUP_MIN_NGRAM, num_speculative_tokens
             )
             self.repeat_matcher = NgramProposer(config)
-        self.histories = TokenHistories()  # the rows' tokens for the lookup
+        shortest = lookup.config.ngram_min if lookup is not None else DRAFT_LOOKUP_MIN_NGRAM
+        self.histories = TokenHistories(shortest)  # the rows' tokens, for the lookup
 
     def propose_rows(
         self, requests: Sequence[Request], ks: Sequence[int], probing: Sequence[bool] = ()
@@ -133,14 +134,14 @@ class DraftModelProposer:
 
     def _repeats(self, request: Request) -> bool:
         matcher = self.repeat_matcher
-        return matcher is not None and matcher.match_start(self.histories.of(request)) >= 0
+        return matcher is not None and matcher.match(self.histories.of(request)).start >= 0
 
     def _looked_up(self, request: Request, k: int) -> list[int] | None:
         """The k tokens that followed an earlier occurrence of the row's last tokens, or None."""
         if self.lookup is None or k <= 0:
             return None
         found = self.lookup.propose_one(self.histories.of(request), k)
-        return found.tolist() if len(found) == k else None
+        return found if len(found) == k else None
 
     def _propose_with_model(
         self, requests: Sequence[Request], ks: Sequence[int]

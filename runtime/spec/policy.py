@@ -32,12 +32,15 @@ A draft model's own forward passes cost time the target's step does not show: `D
 measures its seconds per drafted token, and each draft the model makes is charged that on top of
 the step's predicted cost, so k is chosen from expected tokens / (target step + draft); a row
 whose drafts prompt lookup serves (--draft-prompt-lookup) is not (`DraftWork`, per row from the
-proposer). A row's first model draft is also charged its catch-up: the tokens its draft cache lacks beyond a steady step's (a row back
-after steps at k = 0 catches up on all of them), at the measured seconds per catch-up token. The
-forced probes pay it unpriced: without them an engine whose cost fit first said k = 0 stayed
-there (docs/benchmarks.md, 2026-11-27). Prompt lookup has no DraftCost; its lookups' seconds,
-paid on every row given k >= 1 and yielding drafts only where the history matches, are charged to
-a row's first draft over the request's match rate (lookup_cost.LookupCost via DraftWork).
+proposer). A row's first model draft is also charged its catch-up: the tokens its draft cache
+lacks beyond a steady step's (a row back after steps at k = 0 catches up on all of them), at the
+measured seconds per catch-up token. The forced probes pay it unpriced: without them an engine
+whose cost fit first said k = 0 stayed there (docs/benchmarks.md, 2026-11-27). Prompt lookup
+looks every row up before the policy chooses (a dict read in its n-gram index): a row whose
+history has no match gets k = 0 and no probe, one with a match at most the tokens after it
+(`DraftWork.most_drafts`), and a forced probe only a long match (`DraftWork.may_probe`). Priced
+instead as a lookup per drafting row over the request's match rate, chat's rows without a match
+probed on 124 steps of 126 and prompt lookup ran 0.93x (docs/benchmarks.md, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from runtime.spec.acceptance import AcceptanceTracker, decayed
 from runtime.spec.step_cost import StepCostModel
@@ -86,18 +90,29 @@ class DraftCost:
 
 @dataclass(frozen=True)
 class DraftWork:
-    """What a row's drafts cost its proposer: a forward pass of the draft model per draft
-    (by_model), and first the tokens its draft cache lacks beyond a steady step's (a row back
-    after steps at k = 0 catches up on all of them). Prompt lookup: neither, but its lookups'
-    seconds per row that drafts (first_draft_seconds, lookup_cost.LookupCost), charged to the
-    row's first draft. repeats: the row's last tokens occurred earlier in its text (it copies),
-    so a draft model's drafts are planned at the mean rate, not the cautious one
-    (AcceptanceTracker.planned_rate)."""
+    """What a row's drafts cost its proposer and how many it has: a forward pass of the draft
+    model per draft (by_model), and first the tokens its draft cache lacks beyond a steady
+    step's (a row back after steps at k = 0 catches up on all of them). Prompt lookup: neither;
+    most_drafts, the tokens after its match (0: none; None: a model's, as many as asked), and
+    may_probe, whether a forced probe would draft (its match is long enough). repeats: the row's
+    last tokens occurred earlier in its text (it copies), so a draft model's drafts are planned
+    at the mean rate, not the cautious one (AcceptanceTracker.planned_rate)."""
 
     by_model: bool
     catch_up_tokens: int = 0
     repeats: bool = False
-    first_draft_seconds: float = 0.0
+    most_drafts: int | None = None
+    may_probe: bool = True
+
+
+class RowPrice(NamedTuple):
+    """A row's drafts as the policy prices them (SpeculationPolicy._pricer)."""
+
+    per_draft: float  # the proposer's seconds per draft
+    first_draft: float  # and on top for the first
+    cautious: bool  # planned at the cautious rate
+    most_drafts: int  # the most the proposer has
+    may_probe: bool
 
 
 NO_DRAFT_WORK = DraftWork(by_model=False)
@@ -137,42 +152,58 @@ class SpeculationPolicy:
         work: Callable[[int], DraftWork] | None = None,
     ) -> list[int]:
         """rows: the decoding rows that may speculate; num_rows, num_tokens: the step as
-        scheduled without drafts; work(i): what row i's drafts cost the proposer (asked only of
-        rows that may draft; None: a model drafts every row, from a steady cache).
+        scheduled without drafts; work(i): what row i's drafts cost the proposer and how many it
+        has (asked only of rows that may draft or probe; None: a model drafts every row, from a
+        steady cache).
         -> k per row, maximising expected tokens per second."""
         ks = [0] * len(rows)
         if not rows or token_budget_left <= 0 or not self.cost.is_fitted:
             return ks
         caps = [min(self._cap(row), self.acceptance.probe_cap(row.request_id)) for row in rows]
-        may_draft = [
-            i
-            for i, row in enumerate(rows)
-            if caps[i] and self.acceptance.rate(row.request_id) >= self.min_acceptance
-        ]
-        price = self._pricer(work)  # asked of these rows only: a lookup, a catch-up count
+        price = self._pricer(work)  # asked only of rows that may draft or probe
         drafts = []
-        for i in may_draft:
-            planned = self.acceptance.planned_rate(rows[i].request_id, cautious=price(i)[2])
-            first = max(self.acceptance.rate(rows[i].request_id) - FIRST_DRAFT_MARGIN, planned)
-            drafts.append((i, caps[i], first, planned))
+        for i, row in enumerate(rows):
+            rate = self.acceptance.rate(row.request_id)
+            if not caps[i] or rate < self.min_acceptance or not price(i).most_drafts:
+                continue
+            caps[i] = min(caps[i], price(i).most_drafts)
+            planned = self.acceptance.planned_rate(row.request_id, cautious=price(i).cautious)
+            drafts.append((i, caps[i], max(rate - FIRST_DRAFT_MARGIN, planned), planned))
         taken = self._best_drafts(drafts, price, num_rows, num_tokens, token_budget_left)
         for i in taken:
             ks[i] += 1
-        extra = len(taken)
+        self._force_probes(rows, ks, price, num_rows, num_tokens, token_budget_left - len(taken))
+        return ks
+
+    def _force_probes(
+        self,
+        rows: Sequence[RowCandidate],
+        ks: list[int],
+        price: Callable[[int], RowPrice],
+        num_rows: int,
+        num_tokens: int,
+        token_budget_left: int,
+    ) -> None:
+        """Each row left at k = 0 relaxes (AcceptanceTracker.relax); those it says to probe get
+        one draft where drafts could pay at all and the proposer has a probe for the row."""
         probe_cost = self._probe_cost(num_rows, num_tokens)
-        worth_probing = self._drafts_could_pay(num_rows, num_tokens)
+        worth_probing = None
         self.probes = set()
         for i, row in enumerate(rows):
-            probe = ks[i] == 0 and self.acceptance.relax(row.request_id, probe_cost)
-            if probe and worth_probing and extra < token_budget_left and self._cap(row):
-                ks[i], extra = 1, extra + 1
+            if ks[i] or not self.acceptance.relax(row.request_id, probe_cost):
+                continue
+            if token_budget_left <= 0 or not self._cap(row) or not price(i).may_probe:
+                continue
+            if worth_probing is None:
+                worth_probing = self._drafts_could_pay(num_rows, num_tokens)
+            if worth_probing:
+                ks[i], token_budget_left = 1, token_budget_left - 1
                 self.probes.add(i)
-        return ks
 
     def _best_drafts(
         self,
         drafts: list[tuple[int, int, float, float]],
-        price: Callable[[int], tuple[float, float]],
+        price: Callable[[int], RowPrice],
         num_rows: int,
         num_tokens: int,
         token_budget_left: int,
@@ -192,14 +223,16 @@ class SpeculationPolicy:
         5 to 8 tokens, so 7 drafts can pay where 2 do not (Qwen2.5-Coder-1.5B at one stream, its
         draft model's tokens included: 1 draft, 2 tokens in 53 ms; 2 drafts, 3 in 82; 7 drafts,
         8 in 156). The search stops where even free drafts could not beat the best."""
+        if not drafts:
+            return []
         token_seconds = max(self.cost.coefficients()[2], 1e-6)
         ks = dict.fromkeys((i for i, *_ in drafts), 0)
         caps = {i: cap for i, cap, *_ in drafts}
         rates = {i: rate for i, *_, rate in drafts}
 
         def entry(i: int, gain: float) -> tuple[float, int, float, float]:
-            per_draft, catch_up, _ = price(i)
-            added = per_draft + (catch_up if ks[i] == 0 else 0.0)
+            row = price(i)
+            added = row.per_draft + (row.first_draft if ks[i] == 0 else 0.0)
             return -gain / (token_seconds + added), i, gain, added
 
         heap = [entry(i, first) for i, _, first, _ in drafts]
@@ -238,30 +271,34 @@ class SpeculationPolicy:
         seconds = self.cost.fitted(num_rows, num_tokens + k) + k * per_draft
         return (num_rows + k) / max(seconds, 1e-9) > plain
 
-    def _pricer(
-        self, work: Callable[[int], DraftWork] | None
-    ) -> Callable[[int], tuple[float, float, bool]]:
-        """Row i -> (seconds per draft, seconds its first draft costs on top, whether its drafts
-        are planned at the cautious rate): a draft model's measured seconds per draft and per
-        catch-up token, where the row's drafts need its forward passes, and the proposer's own
-        first-draft seconds (prompt lookup's lookups). Cautious: a draft model's drafts on text
-        that does not repeat itself. Without work: a model drafts every row, from a steady
-        cache, or (no draft model) drafts cost nothing."""
+    def _pricer(self, work: Callable[[int], DraftWork] | None) -> Callable[[int], RowPrice]:
+        """Row i -> its RowPrice: a draft model's measured seconds per draft and per catch-up
+        token, where the row's drafts need its forward passes, cautious for a draft model's
+        drafts on text that does not repeat itself; and how many drafts the proposer has.
+        Without work: a model drafts every row, from a steady cache, or (no draft model) drafts
+        cost nothing."""
         per_draft = self.draft_cost.seconds_per_token if self.draft_cost is not None else 0.0
+        most = self.num_speculative_tokens
         if work is None:
             by_model = self.draft_cost is not None
-            return lambda i: (per_draft, 0.0, by_model)
+            steady = RowPrice(per_draft, 0.0, by_model, most, True)
+            return lambda i: steady
         per_catch_up = (
             self.draft_cost.seconds_per_catch_up_token if self.draft_cost is not None else 0.0
         )
-        priced: dict[int, tuple[float, float, bool]] = {}
+        priced: dict[int, RowPrice] = {}
 
-        def price(i: int) -> tuple[float, float, bool]:
+        def price(i: int) -> RowPrice:
             if i not in priced:
                 row = work(i)
                 by_model = row.by_model and self.draft_cost is not None
-                first = row.catch_up_tokens * per_catch_up + row.first_draft_seconds
-                priced[i] = (per_draft if by_model else 0.0, first, by_model and not row.repeats)
+                priced[i] = RowPrice(
+                    per_draft if by_model else 0.0,
+                    row.catch_up_tokens * per_catch_up if by_model else 0.0,
+                    by_model and not row.repeats,
+                    most if row.most_drafts is None else row.most_drafts,
+                    row.may_probe,
+                )
             return priced[i]
 
         return price

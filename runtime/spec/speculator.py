@@ -12,14 +12,20 @@ from typing import Protocol
 from runtime.spec.acceptance import AcceptanceTracker
 from runtime.spec.draft_model import load_draft_model
 from runtime.spec.draft_proposer import DRAFT_LOOKUP_MIN_NGRAM, DraftModelProposer
-from runtime.spec.lookup_cost import LookupCost
 from runtime.spec.policy import (
     DraftCost,
     DraftWork,
     RowCandidate,
     SpeculationPolicy,
 )
-from runtime.spec.proposer import NgramConfig, NgramProposer, TokenHistories
+from runtime.spec.proposer import (
+    Match,
+    NgramConfig,
+    NgramProposer,
+    TokenHistories,
+    TokenHistory,
+    drafts_after,
+)
 from runtime.spec.stats import SpecDecodeStats
 from runtime.spec.step_cost import StepCostModel
 from scheduler.output import SchedulerOutput
@@ -63,50 +69,55 @@ class Proposer(Protocol):
 
 
 class PromptLookup:
-    """The n-gram proposer over requests: each row's tokens kept as an array between steps. A
-    forced probe drafts only after a match of PROBE_MIN_NGRAM tokens or more: it probes a row
-    whose rate says k = 0 (its first rows, or failures), and a short match is no evidence that
-    the text now copies (a copy's first probe, on its preamble's two-token match, failed, and at
-    16 streams no request drafted again before it ended). Without a match a probe costs only
-    the lookup, tens of microseconds, so rows probe every PROMPT_LOOKUP_PROBE_INTERVAL steps.
-    Each call's seconds and its rows' matches feed `cost`, which prices a row's lookups
-    (draft_work)."""
+    """The n-gram proposer over requests: each row's tokens and their n-gram index kept between
+    steps, each row looked up once a step (draft_work, then propose_rows). A forced probe drafts
+    only after a match of PROBE_MIN_NGRAM tokens or more: it probes a row whose rate says k = 0
+    (its first rows, or failures), and a short match is no evidence that the text now copies (a
+    copy's first probe, on its preamble's two-token match, failed, and at 16 streams no request
+    drafted again before it ended). A row without a match has no drafts and no probe."""
 
     def __init__(self, config: NgramConfig) -> None:
-        self.ngram = NgramProposer(config)
-        longest = max(config.ngram_max, PROBE_MIN_NGRAM)
-        self.probe = NgramProposer(
-            NgramConfig(
-                max(config.ngram_min, PROBE_MIN_NGRAM), longest, config.num_speculative_tokens
-            )
-        )
-        self.histories = TokenHistories()
-        self.cost = LookupCost()
+        self.ngram = NgramProposer(config, extend_to=PROBE_MIN_NGRAM)
+        self.histories = TokenHistories(config.ngram_min)
+        self._matches: dict[str, tuple[TokenHistory, int, Match]] = {}  # id -> (history, its
+        # length, its match) as last looked up
 
     def propose_rows(
         self, requests: Sequence[Request], ks: Sequence[int], probing: Sequence[bool] = ()
     ) -> list[list[int]]:
         probing = probing or [False] * len(requests)
-        start = time.perf_counter()
-        drafts = [
-            (self.probe if probe else self.ngram).propose_one(self.histories.of(r), k).tolist()
-            for r, k, probe in zip(requests, ks, probing)
-        ]
-        matched = {
-            r.request_id: bool(draft)
-            for r, draft, probe in zip(requests, drafts, probing)
-            if not probe
-        }
-        self.cost.observe(matched, len(requests), time.perf_counter() - start)
+        cap = self.ngram.config.num_speculative_tokens
+        drafts = []
+        for request, k, probe in zip(requests, ks, probing):
+            history, match = self._looked_up(request)
+            short = probe and match.length < PROBE_MIN_NGRAM
+            drafts.append([] if short else drafts_after(history, match, min(k, cap)))
         return drafts
+
+    def draft_work(self, request: Request) -> DraftWork:
+        history, match = self._looked_up(request)
+        if match.start < 0:
+            return NO_LOOKUP_MATCH
+        return DraftWork(
+            by_model=False,
+            most_drafts=len(history) - match.start,
+            may_probe=match.length >= PROBE_MIN_NGRAM,
+        )
+
+    def _looked_up(self, request: Request) -> tuple[TokenHistory, Match]:
+        history = self.histories.of(request)
+        known = self._matches.get(request.request_id)
+        if known is None or known[0] is not history or known[1] != len(history):
+            known = (history, len(history), self.ngram.match(history))
+            self._matches[request.request_id] = known
+        return history, known[2]
 
     def release(self, request_id: str) -> None:
         self.histories.release(request_id)
-        self.cost.release(request_id)
+        self._matches.pop(request_id, None)
 
-    def draft_work(self, request: Request) -> DraftWork:
-        seconds = self.cost.seconds_per_drafting_row(request.request_id)
-        return DraftWork(by_model=False, first_draft_seconds=seconds)
+
+NO_LOOKUP_MATCH = DraftWork(by_model=False, most_drafts=0, may_probe=False)
 
 
 class Speculator:
