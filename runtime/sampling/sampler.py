@@ -47,14 +47,14 @@ class Sampler:
         self,
         logits: torch.Tensor,
         plan: SamplingPlan,
-        params: torch.Tensor,
+        params: torch.Tensor | None,
         indices: SamplingIndices,
         penalties: PenaltyInputs | None,
         grammar_mask: GrammarMask | None = None,
     ) -> torch.Tensor:
-        """logits: [num_seqs, >= vocab]; params: [num_seqs, NUM_PARAMS] on the device; indices:
-        the plan's index tensors on the device; grammar_mask: the allowed tokens of the
-        constrained rows, applied first. -> sampled ids [num_seqs] int64, or the packed ids and
+        """logits: [num_seqs, >= vocab]; params: [num_seqs, NUM_PARAMS] on the device (None where
+        plan.is_plain_greedy: unread); indices: the plan's index tensors on the device;
+        grammar_mask: the allowed tokens of the constrained rows, applied first. -> sampled ids [num_seqs] int64, or the packed ids and
         logprobs (see pack_logprobs) when some row asks for logprobs."""
         logits = logits[:, : self.vocab_size].float()  # [num_seqs, vocab]
         if grammar_mask is not None:

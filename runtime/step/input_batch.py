@@ -47,6 +47,11 @@ class InputBatch:
         self.num_blocks = torch.zeros(max_num_rows, dtype=torch.int64)  # [max_num_rows]
         self.num_tokens = torch.zeros(max_num_rows, dtype=torch.int64)
         self.params = torch.zeros(max_num_rows, NUM_PARAMS, dtype=torch.float64)
+        # numpy views of the same memory: the host writes a step's few cells through them (a
+        # torch setitem costs microseconds of dispatch each; inputs.py reads them the same way)
+        self._tokens, self._block_table = self.token_ids.numpy(), self.block_table.numpy()
+        self._num_blocks, self._num_tokens = self.num_blocks.numpy(), self.num_tokens.numpy()
+        self._params = self.params.numpy()
         # the device's copies, changed in place from each step's staged updates
         self.device_block_table = torch.zeros(
             max_num_rows, max_blocks_per_seq, dtype=torch.int32, device=device
@@ -83,7 +88,7 @@ class InputBatch:
         self._write_tokens(row, state, new.token_ids)
         self._write_blocks(row, state, new.block_ids)
         values = param_row(params)
-        self.params[row] = torch.tensor(values, dtype=torch.float64)
+        self._params[row] = values
         self.updates.param_rows.append(row)
         self.updates.params.append(values)
         return row
@@ -108,19 +113,16 @@ class InputBatch:
             if append.block_ids:
                 self._write_blocks(row, state, append.block_ids, append.first_block)
         if rows:
-            self.token_ids[rows, columns] = torch.tensor(token_ids, dtype=torch.int32)
-            self.num_tokens[list(lengths)] = torch.tensor(list(lengths.values()))
+            self._tokens[rows, columns] = token_ids
+            self._num_tokens[list(lengths)] = list(lengths.values())
 
     def _write_tokens(self, row: int, state: Row, token_ids: list[int]) -> None:
         start, end = state.num_tokens, state.num_tokens + len(token_ids)
         if end > self.max_model_len:
             raise ValueError(f"{state.request_id} has more than {self.max_model_len} tokens")
-        if len(token_ids) == 1:  # a decode's new token
-            self.token_ids[row, start] = token_ids[0]
-        else:
-            self.token_ids[row, start:end] = torch.tensor(token_ids, dtype=torch.int32)
+        self._tokens[row, start:end] = token_ids
         state.num_tokens = end
-        self.num_tokens[row] = end
+        self._num_tokens[row] = end
 
     def _write_blocks(
         self, row: int, state: Row, block_ids: list[int], start: int | None = None
@@ -128,13 +130,10 @@ class InputBatch:
         """start: the first column written (None: after the row's blocks)."""
         start = state.num_blocks if start is None else start
         end = start + len(block_ids)
-        if len(block_ids) == 1:  # a decode's new block
-            self.block_table[row, start] = block_ids[0]
-        else:
-            self.block_table[row, start:end] = torch.tensor(block_ids, dtype=torch.int64)
+        self._block_table[row, start:end] = block_ids
         self.updates.block_cells.extend((row, start + i, b) for i, b in enumerate(block_ids))
         state.num_blocks = end
-        self.num_blocks[row] = end
+        self._num_blocks[row] = end
 
     def write_drafts(self, drafts: dict[str, list[int]]) -> None:
         """Speculative drafts go after each row's tokens, not counted as its tokens: the step
@@ -142,7 +141,7 @@ class InputBatch:
         for request_id, draft in drafts.items():
             row = self.rows[request_id]
             start = self.row_state[row].num_tokens
-            self.token_ids[row, start : start + len(draft)] = torch.tensor(draft, dtype=torch.int32)
+            self._tokens[row, start : start + len(draft)] = draft
 
     def remove(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
@@ -159,7 +158,7 @@ class InputBatch:
         prompts, outputs = [], []
         for row in rows:
             state = self.row_state[row]
-            tokens = self.token_ids[row, : state.num_tokens].tolist()
+            tokens = self._tokens[row, : state.num_tokens].tolist()
             prompts.append(tokens[: state.num_prompt_tokens])
             outputs.append(tokens[state.num_prompt_tokens :])
         return prompts, outputs

@@ -259,7 +259,9 @@ class ModelRunner:
 
     def _sample(self, logits, host: HostStep, inputs: StepInputs, mask=None) -> torch.Tensor:
         plan, indices = host.sampling, inputs.staged.sampling
-        params = self.input_batch.device_params[inputs.staged.sample_rows]  # [num_samples, P]
+        params = None  # [num_samples, P], not read where every row is plain greedy
+        if not plan.is_plain_greedy:
+            params = self.input_batch.device_params[inputs.staged.sample_rows]
         penalties = None
         if plan.has_penalties:
             penalties = penalty_inputs(
