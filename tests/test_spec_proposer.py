@@ -123,9 +123,11 @@ def test_token_histories_follow_a_request_as_its_output_grows_and_goes_back():
             end for end in range(1, len(tokens) - 1) if tokens[end - 1 : end + 1] == tokens[-2:]
         ]
 
+    first = histories.of(request)  # the prompt alone
     for token in range(40):  # grown in place, past each buffer's capacity
         request.output_token_ids.append(token % 7)
         assert_follows(request)
+        assert histories.of(request) is first
     del request.output_token_ids[-10:]  # fewer tokens: rebuilt
     assert_follows(request)
     request.output_token_ids[-1] = 99  # its last token changed: rebuilt

@@ -85,7 +85,7 @@ class SamplingPlan:
 
 
 def plan_sampling(
-    params, request_ids: Sequence[str], seeds: Sequence[int | None]
+    params: np.ndarray | torch.Tensor, request_ids: Sequence[str], seeds: Sequence[int | None]
 ) -> tuple[SamplingPlan, SamplingIndices]:
     """params: [num_rows, NUM_PARAMS] host rows of the requests, in sampling order (a numpy
     array or a CPU tensor: read in numpy, a step's few rows cost microseconds, not the 0.1 ms of

@@ -54,8 +54,9 @@ class Sampler:
     ) -> torch.Tensor:
         """logits: [num_seqs, >= vocab]; params: [num_seqs, NUM_PARAMS] on the device (None where
         plan.is_plain_greedy: unread); indices: the plan's index tensors on the device;
-        grammar_mask: the allowed tokens of the constrained rows, applied first. -> sampled ids [num_seqs] int64, or the packed ids and
-        logprobs (see pack_logprobs) when some row asks for logprobs."""
+        grammar_mask: the allowed tokens of the constrained rows, applied first. -> sampled ids
+        [num_seqs] int64, or the packed ids and logprobs (see pack_logprobs) when some row asks
+        for logprobs."""
         logits = logits[:, : self.vocab_size].float()  # [num_seqs, vocab]
         if grammar_mask is not None:
             logits = grammar_mask.apply(logits)

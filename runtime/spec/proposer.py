@@ -96,10 +96,10 @@ class TokenHistory:
 
 
 class TokenHistories:
-    """Each request's TokenHistory, grown as its output grows: rebuilt from its lists every step
-    a history took 25-37 µs a row at 2,000 tokens and 95-110 µs at 8,000, and scanning it for
-    the last token as long again. A request whose last kept token no longer matches (its output
-    went back) is rebuilt."""
+    """Each request's TokenHistory, grown as its output grows (rebuilt from the request's lists
+    every step, a history took 25-37 µs a row at 2,000 tokens and 95-110 µs at 8,000, and
+    scanning it for the last token as long again). A request whose last kept token no longer
+    matches (its output went back) is rebuilt."""
 
     def __init__(self, key_length: int) -> None:
         self.key_length = key_length
@@ -108,19 +108,26 @@ class TokenHistories:
     def of(self, request) -> TokenHistory:
         history = self._rows.get(request.request_id)
         length = len(history) if history is not None else 0
-        num_prompt = len(request.prompt_token_ids)
-        if (
-            history is None
-            or not num_prompt < length <= request.num_tokens
-            or history.tokens[length - 1] != request.output_token_ids[length - 1 - num_prompt]
-        ):
+        if history is None or not self._still_holds(request, history, length):
             history = TokenHistory(
                 self.key_length, request.prompt_token_ids + request.output_token_ids
             )
             self._rows[request.request_id] = history
         elif request.num_tokens > length:
+            num_prompt = len(request.prompt_token_ids)
             history.extend(request.output_token_ids[length - num_prompt :])
         return history
+
+    @staticmethod
+    def _still_holds(request, history: TokenHistory, length: int) -> bool:
+        """The request still has the history's tokens: as many or more, its last one the same
+        (a history is never shorter than its prompt)."""
+        num_prompt = len(request.prompt_token_ids)
+        if not num_prompt <= length <= request.num_tokens:
+            return False
+        at = length - 1 - num_prompt
+        last = request.output_token_ids[at] if at >= 0 else request.prompt_token_ids[-1]
+        return history.tokens[length - 1] == last
 
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)

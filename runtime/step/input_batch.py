@@ -2,7 +2,7 @@
 across steps and changed only where the scheduler's output says: rows leave (finished, aborted,
 preempted), rows join (new and resumed requests, written whole), rows gain tokens and blocks.
 The batch applies what it is told and never reads a live `Request`. A step's inputs are then
-gathered from these rows by tensor ops on the host and sent to the device in one copy
+gathered from these rows (numpy arrays) on the host and sent to the device in one copy
 (runtime/step/inputs.py); the device keeps its own block table and settings rows, updated in
 place from that copy.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from runtime.sampling.plan import NUM_PARAMS, param_row
@@ -41,17 +42,14 @@ class InputBatch:
         self, max_num_rows: int, max_model_len: int, max_blocks_per_seq: int, device
     ) -> None:
         self.max_model_len = max_model_len
+        # the host's tables, numpy: a step writes and reads a few cells of them, where each torch
+        # setitem or index costs microseconds of dispatch (runtime/step/inputs.py stages them).
         # int32, as vLLM: [rows, max_model_len] is the one table that grows with the context
-        self.token_ids = torch.zeros(max_num_rows, max_model_len, dtype=torch.int32)
-        self.block_table = torch.zeros(max_num_rows, max_blocks_per_seq, dtype=torch.int64)
-        self.num_blocks = torch.zeros(max_num_rows, dtype=torch.int64)  # [max_num_rows]
-        self.num_tokens = torch.zeros(max_num_rows, dtype=torch.int64)
-        self.params = torch.zeros(max_num_rows, NUM_PARAMS, dtype=torch.float64)
-        # numpy views of the same memory: the host writes a step's few cells through them (a
-        # torch setitem costs microseconds of dispatch each; inputs.py reads them the same way)
-        self._tokens, self._block_table = self.token_ids.numpy(), self.block_table.numpy()
-        self._num_blocks, self._num_tokens = self.num_blocks.numpy(), self.num_tokens.numpy()
-        self._params = self.params.numpy()
+        self.token_ids = np.zeros((max_num_rows, max_model_len), dtype=np.int32)
+        self.block_table = np.zeros((max_num_rows, max_blocks_per_seq), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_rows, dtype=np.int64)  # [max_num_rows]
+        self.num_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.params = np.zeros((max_num_rows, NUM_PARAMS), dtype=np.float64)
         # the device's copies, changed in place from each step's staged updates
         self.device_block_table = torch.zeros(
             max_num_rows, max_blocks_per_seq, dtype=torch.int32, device=device
@@ -88,7 +86,7 @@ class InputBatch:
         self._write_tokens(row, state, new.token_ids)
         self._write_blocks(row, state, new.block_ids)
         values = param_row(params)
-        self._params[row] = values
+        self.params[row] = values
         self.updates.param_rows.append(row)
         self.updates.params.append(values)
         return row
@@ -113,16 +111,16 @@ class InputBatch:
             if append.block_ids:
                 self._write_blocks(row, state, append.block_ids, append.first_block)
         if rows:
-            self._tokens[rows, columns] = token_ids
-            self._num_tokens[list(lengths)] = list(lengths.values())
+            self.token_ids[rows, columns] = token_ids
+            self.num_tokens[list(lengths)] = list(lengths.values())
 
     def _write_tokens(self, row: int, state: Row, token_ids: list[int]) -> None:
         start, end = state.num_tokens, state.num_tokens + len(token_ids)
         if end > self.max_model_len:
             raise ValueError(f"{state.request_id} has more than {self.max_model_len} tokens")
-        self._tokens[row, start:end] = token_ids
+        self.token_ids[row, start:end] = token_ids
         state.num_tokens = end
-        self._num_tokens[row] = end
+        self.num_tokens[row] = end
 
     def _write_blocks(
         self, row: int, state: Row, block_ids: list[int], start: int | None = None
@@ -130,10 +128,10 @@ class InputBatch:
         """start: the first column written (None: after the row's blocks)."""
         start = state.num_blocks if start is None else start
         end = start + len(block_ids)
-        self._block_table[row, start:end] = block_ids
+        self.block_table[row, start:end] = block_ids
         self.updates.block_cells.extend((row, start + i, b) for i, b in enumerate(block_ids))
         state.num_blocks = end
-        self._num_blocks[row] = end
+        self.num_blocks[row] = end
 
     def write_drafts(self, drafts: dict[str, list[int]]) -> None:
         """Speculative drafts go after each row's tokens, not counted as its tokens: the step
@@ -141,7 +139,7 @@ class InputBatch:
         for request_id, draft in drafts.items():
             row = self.rows[request_id]
             start = self.row_state[row].num_tokens
-            self._tokens[row, start : start + len(draft)] = draft
+            self.token_ids[row, start : start + len(draft)] = draft
 
     def remove(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
@@ -158,7 +156,7 @@ class InputBatch:
         prompts, outputs = [], []
         for row in rows:
             state = self.row_state[row]
-            tokens = self._tokens[row, : state.num_tokens].tolist()
+            tokens = self.token_ids[row, : state.num_tokens].tolist()
             prompts.append(tokens[: state.num_prompt_tokens])
             outputs.append(tokens[state.num_prompt_tokens :])
         return prompts, outputs

@@ -89,14 +89,14 @@ def prepare_host_step(
     row stays a decode row of k + 1 query positions, each attending as a decode of its own
     (the arithmetic of k = 0, so that verified tokens round as plain decodes do).
 
-    In numpy over the batch's host tables (their memory, no copy): a step's few dozen index
-    operations on a handful of rows took 0.5 ms a step as torch calls (SmolLM2's batch-1 step:
-    8 ms), numpy's cost a tenth of that; the tensors staged are made from the arrays at the end."""
+    In numpy, as the batch's host tables are: a step's few dozen index operations on a handful
+    of rows took 0.5 ms a step as torch calls (SmolLM2's batch-1 step: 8 ms), numpy's cost a
+    tenth of that; the tensors staged are made from the arrays at the end."""
     num_seqs = len(scheduled)
     rows = np.fromiter((batch.row_of(r.request_id) for r, _ in scheduled), np.int64, num_seqs)
     num_new = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
     computed = np.fromiter((r.num_computed_tokens for r, _ in scheduled), np.int64, num_seqs)
-    known = batch.num_tokens.numpy()[rows]  # [num_seqs] tokens in the host table
+    known = batch.num_tokens[rows]  # [num_seqs] tokens in the host table
     pending = [r.num_pending_tokens for r, _ in scheduled]
     total = known + np.array(pending, dtype=np.int64) if any(pending) else known
     is_decode = (num_new == 1) & (computed == total - 1)
@@ -112,7 +112,7 @@ def prepare_host_step(
     seq_of_token = np.repeat(np.arange(num_seqs), num_new)  # [num_tokens]
     positions = np.arange(num_tokens) - (ends - num_new)[seq_of_token] + computed[seq_of_token]
     token_rows = rows[seq_of_token]
-    slots = batch.block_table.numpy()[token_rows, positions // block_size] * block_size
+    slots = batch.block_table[token_rows, positions // block_size] * block_size
     slots += positions % block_size
     num_decode = int(is_decode.sum())  # sequences
     num_decode_tokens = int(ends[num_decode - 1]) if num_decode else 0
@@ -123,7 +123,7 @@ def prepare_host_step(
     plan, sampling = _plan_sampling(batch, sample_rows, sample_ids)
     updates = batch.take_updates()
     tensors = StepTensors(
-        input_ids=_tensor(batch.token_ids.numpy()[token_rows, positions]),
+        input_ids=_tensor(batch.token_ids[token_rows, positions]),
         positions=_tensor(positions),
         slot_mapping=_tensor(slots),
         seq_lens=_tensor(seq_lens),
@@ -155,7 +155,7 @@ def prepare_host_step(
     return HostStep(
         num_tokens=num_tokens,
         num_decode=num_decode,
-        max_blocks=int(batch.num_blocks.numpy()[rows].max()),
+        max_blocks=int(batch.num_blocks[rows].max()),
         sample_request_ids=sample_ids,
         has_grammar=any(state.has_grammar for state in sample_states),
         sampling=plan,
@@ -203,7 +203,7 @@ def _plan_sampling(batch: InputBatch, sample_rows: np.ndarray, request_ids: list
     if not request_ids:
         return None, SamplingIndices()
     seeds = [batch.row_state[row].seed for row in sample_rows.tolist()]
-    plan, indices = plan_sampling(batch.params.numpy()[sample_rows], request_ids, seeds)
+    plan, indices = plan_sampling(batch.params[sample_rows], request_ids, seeds)
     if plan.has_penalties:
         penalised = sample_rows[indices.penalty_rows.numpy()]
         prompts, outputs = batch.seen_token_ids(penalised.tolist())
