@@ -35,6 +35,7 @@ SOURCES = tuple(
         "quant_dot_int8.cpp",
         "layer_ops.cpp",
         "decode_layer.cpp",
+        "sampling.cpp",
     )
 )
 HEADERS = tuple(

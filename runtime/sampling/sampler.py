@@ -10,7 +10,10 @@ the batch; a filtered row's candidates are put in token-id order first, so that 
 picks the same token however many candidates the batch looked at. (The exponential race it
 replaced, argmax(probs / Exp(1) noise), drew a vocab of noise a token: torch's CPU exponential_
 took 106 ms a step at 32 rows of Qwen's 151,936 tokens, 2.9 ms at one, where this takes 1.2 ms.)
-Seeded rows are the only per-row Python: each owns a torch.Generator.
+Rows that top-k and top-p leave alone (a temperature, min-p at most) draw the same way in one
+pass over their logits (ops.draw_tempered), and where every row is such a row and nothing else
+touches the logits, from the logits as they come (no float32 copy). Seeded rows are the only
+per-row Python: each owns a torch.Generator.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from runtime.sampling.ops import (
     apply_penalty_inputs,
     argmax,
     draw_from_probs,
+    draw_tempered,
     pack_logprobs,
     prepare_candidates,
 )
 from runtime.sampling.plan import (
+    MIN_P,
+    TEMPERATURE,
     GroupIndices,
     RandomGroup,
     SamplingIndices,
@@ -57,6 +63,8 @@ class Sampler:
         grammar_mask: the allowed tokens of the constrained rows, applied first. -> sampled ids
         [num_seqs] int64, or the packed ids and logprobs (see pack_logprobs) when some row asks
         for logprobs."""
+        if _tempered_only(plan, grammar_mask):  # the logits as they come: no float32 copy
+            return self._draw_tempered(logits, params, plan.random_groups[0], indices.random[0])
         logits = logits[:, : self.vocab_size].float()  # [num_seqs, vocab]
         if grammar_mask is not None:
             logits = grammar_mask.apply(logits)
@@ -77,16 +85,28 @@ class Sampler:
             logits = apply_penalty_inputs(logits, penalties)
         groups = list(zip(plan.random_groups, indices.random))
         if any(group.covers_all for group, _ in groups):  # no greedy row
-            group, group_indices = groups[0]
-            settings = settings_of(params, group, self.vocab_size)
-            return self._draw(prepare_candidates(logits, settings), group, group_indices)
+            return self._draw_group(logits, params, *groups[0])
         token_ids = argmax(logits)  # [num_seqs], right for the greedy rows
         for group, group_indices in groups:
             rows = group_indices.rows
-            settings = settings_of(params.index_select(0, rows), group, self.vocab_size)
-            candidates = prepare_candidates(logits.index_select(0, rows), settings)
-            token_ids.index_copy_(0, rows, self._draw(candidates, group, group_indices))
+            group_logits, group_params = logits.index_select(0, rows), params.index_select(0, rows)
+            drawn = self._draw_group(group_logits, group_params, group, group_indices)
+            token_ids.index_copy_(0, rows, drawn)
         return token_ids
+
+    def _draw_group(self, logits, params, group: RandomGroup, indices: GroupIndices):
+        """One token per row of a random group; logits and params its rows."""
+        if not group.is_filtered:
+            return self._draw_tempered(logits, params, group, indices)
+        settings = settings_of(params, group, self.vocab_size)
+        return self._draw(prepare_candidates(logits, settings), group, indices)
+
+    def _draw_tempered(self, logits, params, group: RandomGroup, indices: GroupIndices):
+        """Rows of a group that top-k and top-p leave alone (ops.draw_tempered)."""
+        temperature = params[:, TEMPERATURE].float()
+        min_p = params[:, MIN_P].float() if group.any_min_p else None
+        uniforms = self._draw_uniforms(group, indices, logits.shape[0], logits.device)
+        return draw_tempered(logits, self.vocab_size, temperature, min_p, uniforms)
 
     def _draw(self, candidates: Candidates, group: RandomGroup, indices: GroupIndices):
         """One token per row, drawn from its candidates' probs."""
@@ -130,6 +150,14 @@ class Sampler:
                 generator.manual_seed(self.seed)
             self._shared_generators[device] = generator
         return generator
+
+
+def _tempered_only(plan: SamplingPlan, grammar_mask: GrammarMask | None) -> bool:
+    """Every row samples at a temperature (min-p at most) and nothing else touches the logits."""
+    if plan.has_penalties or plan.max_top_n is not None or grammar_mask is not None:
+        return False
+    groups = plan.random_groups
+    return len(groups) == 1 and groups[0].covers_all and not groups[0].is_filtered
 
 
 def in_token_order(
