@@ -11,9 +11,11 @@
 // uniform lands in, rescaled to that block's sum; never a column of no weight, and a row without
 // weight (all -inf, NaN) gets column 0. A row's weights are the same bits wherever the row sits
 // in a batch (rows are independent; the weights of a block are computed alike in both passes).
-// Why: the softmax path made three float32 copies of the logits a step (a float32 copy, the
-// division by the temperature, the softmax), and their pages were faulted in afresh each step: at
-// 32 rows of Qwen's 151,936 tokens, 12-40 ms of a 83 ms decode step where this takes about 1 ms.
+// Why: the softmax path made three float32 tensors of the logits' size a step (the float32 copy,
+// the division by the temperature, the softmax). At 32 rows of Qwen's 151,936 tokens (Zen 4, 2
+// threads) the sampler took a median 4.6 ms a step on the server's engine thread and 17 ms on a
+// main thread (offline), whose freed pages went back to the kernel and were faulted in again each
+// step; with this kernel 2.3 and 1.6 ms.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
