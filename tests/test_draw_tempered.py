@@ -1,5 +1,6 @@
-"""kernels/cpu/sampling.cpp's draw_tempered against its oracle, the softmax path: the tempered
-softmax, min-p's drops, then ops.draw_from_probs at the same uniform."""
+"""kernels/cpu/sampling.cpp's draw_tempered (ops.draw_natively) against its oracle, the torch
+path: prepare_candidates (temperature, top-k, top-p, min-p), the candidates in token order, then
+ops.draw_from_probs at the same uniform."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 from test_sampling_support import sample
 
 from kernels.native import native_ops
-from runtime.sampling.ops import CDF_BLOCK, apply_min_p, draw_from_probs
-from runtime.sampling.sampler import Sampler
+from runtime.sampling.ops import CDF_BLOCK, draw_from_probs, draw_natively, prepare_candidates
+from runtime.sampling.plan import filter_settings, param_rows
+from runtime.sampling.sampler import Sampler, in_token_order
 from scheduler.request import Request, SamplingParams
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="native kernels turned off")
@@ -17,36 +19,85 @@ pytestmark = pytest.mark.skipif(native_ops() is None, reason="native kernels tur
 QWEN_VOCAB = 151_936
 
 
-def oracle(logits, vocab, temperature, min_p, uniforms) -> torch.Tensor:
-    probs = (logits[:, :vocab].float() / temperature[:, None]).softmax(dim=-1)
-    if min_p is not None:
-        probs = apply_min_p(probs, min_p[:, None])
-    return draw_from_probs(probs, uniforms)
+def settings_for(params: list[SamplingParams], vocab: int):
+    settings = filter_settings(param_rows(params), vocab)
+    settings.any_min_p = any(p.min_p > 0 for p in params)
+    return settings
 
 
-def settings(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def oracle(logits, vocab, params, uniforms) -> torch.Tensor:
+    candidates = prepare_candidates(logits[:, :vocab].float(), settings_for(params, vocab))
+    probs, token_ids = in_token_order(candidates, vocab)
+    winners = draw_from_probs(probs, uniforms)
+    return winners if token_ids is None else token_ids.gather(1, winners[:, None]).squeeze(1)
+
+
+def native(logits, vocab, params, uniforms) -> torch.Tensor:
+    return draw_natively(logits, vocab, settings_for(params, vocab), uniforms)
+
+
+def mixed_params(rows: int, seed: int, with_min_p: bool, filtered: bool) -> list[SamplingParams]:
+    """Plain rows, top-k (small, large, past the vocab), top-p (tight, wide), both (filtered)."""
     generator = torch.Generator().manual_seed(seed)
-    temperature = torch.rand(rows, generator=generator) * 1.5 + 0.2
-    return temperature, torch.rand(rows, generator=generator)
+    filters = [{}, {"top_k": 1}, {"top_k": 40}, {"top_k": 5000}, {"top_k": 10**6},
+               {"top_p": 0.0}, {"top_p": 0.3}, {"top_p": 0.95}, {"top_k": 50, "top_p": 0.8}]  # fmt: skip
+    params = []
+    for row in range(rows):
+        temperature = float(torch.rand(1, generator=generator)) * 1.5 + 0.2
+        min_p = 0.05 if with_min_p and row % 2 else 0.0
+        row_filters = filters[row % 9] if filtered else {}
+        params.append(SamplingParams(temperature=temperature, min_p=min_p, **row_filters))
+    return params
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [QWEN_VOCAB, 3 * CDF_BLOCK + 5, 7])
 @pytest.mark.parametrize("with_min_p", [False, True])
-def test_draws_are_the_softmax_paths(dtype, vocab, with_min_p):
+def test_draws_are_the_torch_paths(dtype, vocab, with_min_p):
     """The same token as the oracle at each row's uniform, in logits wider than the vocab (a
-    padded output projection) whose padding would win every draw."""
-    rows = 48
+    padded output projection) whose padding would win every draw. Filters over float32 logits
+    only: bfloat16's few values tie often, and where a tie straddles a top-k or top-p boundary
+    torch's topk keeps either, the kernel the lower token id."""
+    rows = 54
     generator = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(rows, vocab + 40, generator=generator) * 3).to(dtype)
     logits[:, vocab:] = 80.0
-    temperature, uniforms = settings(rows, vocab)
-    min_p = torch.full((rows,), 0.05) if with_min_p else None
-    got = native_ops().draw_tempered(logits, vocab, temperature, min_p, uniforms)
-    expected = oracle(logits, vocab, temperature, min_p, uniforms)
+    params = mixed_params(rows, vocab, with_min_p, filtered=dtype == torch.float32)
+    uniforms = torch.rand(rows, generator=generator)
+    got = native(logits, vocab, params, uniforms)
+    expected = oracle(logits, vocab, params, uniforms)
     assert got.dtype == torch.int64 and bool((got < vocab).all())
     # a uniform on a boundary of the cumulative mass may round to the neighbour: none here
-    assert (got == expected).float().mean().item() >= 0.99
+    assert (got == expected).float().mean().item() >= 0.98, (got != expected).nonzero()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(40, 1.0), (3000, 1.0), (0, 0.9), (0, 0.999), (200, 0.5)])
+def test_filters_keep_the_oracles_candidates(top_k, top_p):
+    """Evenly spaced uniforms over a wide, flat row (many tokens within the first 12 bits of
+    one another: the radix select's second level and its sort) draw only tokens the torch path
+    keeps, each as often as the oracle draws it to within 2 of 4,000 (a uniform next to a
+    boundary of the running mass may round to the neighbour)."""
+    n, vocab = 4000, 20_000
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(top_k)) * 0.3
+    row[:50] += 4.0  # a head above a flat tail
+    params = [SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p)] * n
+    uniforms = (torch.arange(n) + 0.5) / n
+    logits = row.expand(n, -1)
+    got = torch.bincount(native(logits, vocab, params, uniforms), minlength=vocab)
+    expected = torch.bincount(oracle(logits, vocab, params, uniforms), minlength=vocab)
+    candidates = prepare_candidates(logits[:1], settings_for(params[:1], vocab))
+    kept = candidates.token_ids[candidates.probs > 0]
+    assert set(got.nonzero().flatten().tolist()) <= set(kept.tolist())
+    assert int((got - expected).abs().max()) <= 2
+
+
+def test_top_k_keeps_the_k_best_and_ties_by_token_id():
+    vocab = 5000
+    row = torch.full((vocab,), -3.0)
+    row[[10, 20, 30, 4000]] = 1.0  # four tied best: top-k 2 keeps the two lowest ids
+    uniforms = (torch.arange(64) + 0.5) / 64
+    drawn = native(row.expand(64, -1), vocab, [SamplingParams(top_k=2)] * 64, uniforms)
+    assert set(drawn.tolist()) == {10, 20}
 
 
 def test_evenly_spaced_uniforms_draw_each_token_as_often_as_its_probability():
@@ -57,7 +108,9 @@ def test_evenly_spaced_uniforms_draw_each_token_as_often_as_its_probability():
     row[columns] = torch.tensor([1.0, 2.5, 0.0, -1.0, 0.7])
     uniforms = (torch.arange(n) + 0.5) / n
     temperature = torch.full((n,), 0.8)
-    drawn = native_ops().draw_tempered(row.expand(n, -1), vocab, temperature, None, uniforms)
+    drawn = native_ops().draw_tempered(
+        row.expand(n, -1), vocab, temperature, None, None, None, uniforms
+    )
     counts = torch.bincount(drawn, minlength=vocab)
     probs = torch.softmax(row / 0.8, dim=-1)
     assert int(counts.sum()) == n and set(drawn.unique().tolist()) <= set(columns)
@@ -76,7 +129,8 @@ def test_extreme_uniforms_and_rows_without_mass_stay_in_range():
     temperature = torch.ones(4)
     for uniform in (0.0, largest_below_one):
         uniforms = torch.full((4,), uniform)
-        drawn = native_ops().draw_tempered(logits, vocab, temperature, None, uniforms).tolist()
+        drawn = native_ops().draw_tempered(logits, vocab, temperature, None, None, None, uniforms)
+        drawn = drawn.tolist()
         assert drawn == [7, 3, 0, 0], uniform
 
 
@@ -84,14 +138,18 @@ def test_a_row_draws_alike_alone_in_a_batch_and_in_either_dtype():
     vocab = QWEN_VOCAB
     generator = torch.Generator().manual_seed(3)
     logits = (torch.randn(16, vocab, generator=generator) * 2).bfloat16()
-    temperature, uniforms = settings(16, 4)
+    generator = torch.Generator().manual_seed(4)
+    temperature, uniforms = (
+        torch.rand(16, generator=generator) + 0.3,
+        torch.rand(16, generator=generator),
+    )
     ops = native_ops()
-    together = ops.draw_tempered(logits, vocab, temperature, None, uniforms)
-    in_float32 = ops.draw_tempered(logits.float(), vocab, temperature, None, uniforms)
+    together = ops.draw_tempered(logits, vocab, temperature, None, None, None, uniforms)
+    in_float32 = ops.draw_tempered(logits.float(), vocab, temperature, None, None, None, uniforms)
     assert torch.equal(together, in_float32)
     for row in (0, 9, 15):
         alone = ops.draw_tempered(logits[row : row + 1], vocab, temperature[row : row + 1],
-                                  None, uniforms[row : row + 1])  # fmt: skip
+                                  None, None, None, uniforms[row : row + 1])  # fmt: skip
         assert int(alone) == int(together[row])
 
 
@@ -99,9 +157,9 @@ def test_bad_settings_are_refused():
     ops = native_ops()
     logits = torch.zeros(2, 10)
     with pytest.raises(RuntimeError, match="vocab"):
-        ops.draw_tempered(logits, 11, torch.ones(2), None, torch.zeros(2))
+        ops.draw_tempered(logits, 11, torch.ones(2), None, None, None, torch.zeros(2))
     with pytest.raises(RuntimeError, match="float32"):
-        ops.draw_tempered(logits, 10, torch.ones(3), None, torch.zeros(2))
+        ops.draw_tempered(logits, 10, torch.ones(3), None, None, None, torch.zeros(2))
 
 
 def test_the_sampler_draws_a_seeded_row_alike_with_or_without_the_float32_copy():

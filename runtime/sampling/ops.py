@@ -67,31 +67,6 @@ def draw_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor
     return chosen.squeeze(1) * block + picked
 
 
-def draw_tempered(
-    logits: torch.Tensor,
-    vocab_size: int,
-    temperature: torch.Tensor,
-    min_p: torch.Tensor | None,
-    uniforms: torch.Tensor,
-) -> torch.Tensor:
-    """Rows that sample at a temperature, min-p their only filter: logits [num_rows, >= vocab];
-    temperature, min_p (None: no row's), uniforms [num_rows] float32. -> [num_rows] int64,
-    draw_from_probs over softmax(logits / temperature) less min-p's drops. On CPU, float32 or
-    bfloat16 logits, one native pass a row (kernels/cpu/sampling.cpp) that makes no
-    [num_rows, vocab] tensor (the softmax path makes three: at 32 rows of Qwen's 151,936 tokens
-    the sampler's median went from 4.6 to 2.3 ms a step on the server's engine thread, 17 to 1.6
-    ms offline). Whether it runs depends on the process (the device, the kernels), never on the
-    batch, so a seeded row draws alike in any."""
-    if logits.device.type == "cpu" and logits.stride(-1) == 1:
-        ops = native_ops()
-        if ops is not None and logits.dtype in (torch.float32, torch.bfloat16):
-            return ops.draw_tempered(logits, vocab_size, temperature, min_p, uniforms)
-    probs = (logits[:, :vocab_size].float() / temperature[:, None]).softmax(dim=-1)
-    if min_p is not None:
-        probs = apply_min_p(probs, min_p[:, None])
-    return draw_from_probs(probs, uniforms)
-
-
 def _first_above(cumulative: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """cumulative: [num_rows, n] non-decreasing; target: [num_rows]. -> [num_rows] int64, the
     first column above the target (n where none is)."""
@@ -159,6 +134,31 @@ class FilterSettings:
     max_cutting_top_k: int  # largest top-k that cuts (1 if none)
     all_cut_by_top_k: bool  # every row's top-k cuts: the best max_cutting_top_k suffice
     any_min_p: bool
+
+
+def draws_natively(logits: torch.Tensor) -> bool:
+    """Random rows of these logits draw in one native pass a row (draw_natively): CPU, float32
+    or bfloat16, columns contiguous, the kernels built. Decided by the process (the device, the
+    model's dtype), never by the batch, so that a seeded row draws alike in any."""
+    if logits.device.type != "cpu" or logits.stride(-1) != 1:
+        return False
+    return logits.dtype in (torch.float32, torch.bfloat16) and native_ops() is not None
+
+
+def draw_natively(
+    logits: torch.Tensor, vocab_size: int, settings: FilterSettings, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """prepare_candidates then draw_from_probs at each row's uniform, in one pass a row of
+    kernels/cpu/sampling.cpp over logits [num_rows, >= vocab] that makes no [num_rows, vocab]
+    tensor (the torch path makes three to six, and sorts the whole vocab where a nucleus is wide:
+    at 32 rows of Qwen's 151,936 tokens its median was 4.6 ms a step at temperature 1 and 222 ms
+    with top-p 0.9 on the server's engine thread). -> [num_rows] int64."""
+    top_k = settings.top_k if settings.is_filtered else None
+    top_p = settings.top_p if settings.is_filtered else None
+    min_p = settings.min_p if settings.any_min_p else None
+    return native_ops().draw_tempered(
+        logits, vocab_size, settings.temperature, min_p, top_k, top_p, uniforms
+    )
 
 
 def prepare_candidates(logits: torch.Tensor, settings: FilterSettings) -> Candidates:

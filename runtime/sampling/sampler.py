@@ -10,10 +10,10 @@ the batch; a filtered row's candidates are put in token-id order first, so that 
 picks the same token however many candidates the batch looked at. (The exponential race it
 replaced, argmax(probs / Exp(1) noise), drew a vocab of noise a token: torch's CPU exponential_
 took 106 ms a step at 32 rows of Qwen's 151,936 tokens, 2.9 ms at one, where this takes 1.2 ms.)
-Rows that top-k and top-p leave alone (a temperature, min-p at most) draw the same way in one
-pass over their logits (ops.draw_tempered), and where every row is such a row and nothing else
-touches the logits, from the logits as they come (no float32 copy). Seeded rows are the only
-per-row Python: each owns a torch.Generator.
+On CPU the same draw, filters included, runs in one native pass a row (ops.draw_natively), and
+where one random group is the whole batch and nothing else touches the logits, from the logits
+as they come (no float32 copy). Seeded rows are the only per-row Python: each owns a
+torch.Generator.
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ from runtime.sampling.ops import (
     apply_penalty_inputs,
     argmax,
     draw_from_probs,
-    draw_tempered,
+    draw_natively,
+    draws_natively,
     pack_logprobs,
     prepare_candidates,
 )
 from runtime.sampling.plan import (
-    MIN_P,
-    TEMPERATURE,
     GroupIndices,
     RandomGroup,
     SamplingIndices,
@@ -63,8 +62,8 @@ class Sampler:
         grammar_mask: the allowed tokens of the constrained rows, applied first. -> sampled ids
         [num_seqs] int64, or the packed ids and logprobs (see pack_logprobs) when some row asks
         for logprobs."""
-        if _tempered_only(plan, grammar_mask):  # the logits as they come: no float32 copy
-            return self._draw_tempered(logits, params, plan.random_groups[0], indices.random[0])
+        if _one_random_group(plan, grammar_mask) and draws_natively(logits):  # no float32 copy
+            return self._draw_group(logits, params, plan.random_groups[0], indices.random[0])
         logits = logits[:, : self.vocab_size].float()  # [num_seqs, vocab]
         if grammar_mask is not None:
             logits = grammar_mask.apply(logits)
@@ -96,22 +95,11 @@ class Sampler:
 
     def _draw_group(self, logits, params, group: RandomGroup, indices: GroupIndices):
         """One token per row of a random group; logits and params its rows."""
-        if not group.is_filtered:
-            return self._draw_tempered(logits, params, group, indices)
         settings = settings_of(params, group, self.vocab_size)
-        return self._draw(prepare_candidates(logits, settings), group, indices)
-
-    def _draw_tempered(self, logits, params, group: RandomGroup, indices: GroupIndices):
-        """Rows of a group that top-k and top-p leave alone (ops.draw_tempered)."""
-        temperature = params[:, TEMPERATURE].float()
-        min_p = params[:, MIN_P].float() if group.any_min_p else None
         uniforms = self._draw_uniforms(group, indices, logits.shape[0], logits.device)
-        return draw_tempered(logits, self.vocab_size, temperature, min_p, uniforms)
-
-    def _draw(self, candidates: Candidates, group: RandomGroup, indices: GroupIndices):
-        """One token per row, drawn from its candidates' probs."""
-        probs, token_ids = in_token_order(candidates, self.vocab_size)
-        uniforms = self._draw_uniforms(group, indices, probs.shape[0], probs.device)
+        if draws_natively(logits):
+            return draw_natively(logits, self.vocab_size, settings, uniforms)
+        probs, token_ids = in_token_order(prepare_candidates(logits, settings), self.vocab_size)
         winners = draw_from_probs(probs, uniforms)  # [num_rows]
         if token_ids is None:
             return winners
@@ -152,12 +140,11 @@ class Sampler:
         return generator
 
 
-def _tempered_only(plan: SamplingPlan, grammar_mask: GrammarMask | None) -> bool:
-    """Every row samples at a temperature (min-p at most) and nothing else touches the logits."""
+def _one_random_group(plan: SamplingPlan, grammar_mask: GrammarMask | None) -> bool:
+    """Every row samples at random alike (one group) and nothing else touches the logits."""
     if plan.has_penalties or plan.max_top_n is not None or grammar_mask is not None:
         return False
-    groups = plan.random_groups
-    return len(groups) == 1 and groups[0].covers_all and not groups[0].is_filtered
+    return len(plan.random_groups) == 1 and plan.random_groups[0].covers_all
 
 
 def in_token_order(
