@@ -1,6 +1,6 @@
-"""kernels/cpu/sampling.cpp's draw_tempered (ops.draw_natively) against its oracle, the torch
-path: prepare_candidates (temperature, top-k, top-p, min-p), the candidates in token order, then
-ops.draw_from_probs at the same uniform."""
+"""kernels/cpu/sampling.cpp against its oracles, the torch paths: draw_tempered (ops.draw_natively)
+against prepare_candidates (temperature, top-k, top-p, min-p), the candidates in token order and
+ops.draw_from_probs at the same uniform; apply_penalties_ against ops.penalised_by_torch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import torch
 from test_sampling_support import sample
 
 from kernels.native import native_ops
-from runtime.sampling.ops import CDF_BLOCK, draw_from_probs, draw_natively, prepare_candidates
+from runtime.sampling.ops import (
+    CDF_BLOCK,
+    PenaltyInputs,
+    apply_penalty_inputs,
+    draw_from_probs,
+    draw_natively,
+    penalised_by_torch,
+    prepare_candidates,
+)
 from runtime.sampling.plan import filter_settings, param_rows
 from runtime.sampling.sampler import Sampler, in_token_order
 from scheduler.request import Request, SamplingParams
@@ -174,3 +182,30 @@ def test_the_sampler_draws_a_seeded_row_alike_with_or_without_the_float32_copy()
         sampler = Sampler(vocab, seed=0)
         tokens.append(sample(sampler, logits[: len(requests)], requests).token_ids[0])
     assert len(set(tokens)) == 1, tokens
+
+
+def test_native_penalties_are_the_torch_paths_bit_for_bit():
+    """Repetition over prompt and output, frequency and presence over the output, in rows picked
+    out of the batch; repeated ids, -1 padding, negative and positive logits, a -inf one."""
+    vocab, rows = QWEN_VOCAB, 6
+    generator = torch.Generator().manual_seed(12)
+    logits = torch.randn(rows, vocab, generator=generator) * 4
+    logits[1, 17] = float("-inf")
+    prompt_ids = torch.randint(0, vocab, (3, 40), generator=generator)
+    output_ids = torch.randint(0, 300, (3, 40), generator=generator)  # repeats: counts above 1
+    prompt_ids[0, 30:], output_ids[2, 5:] = -1, -1
+    prompt_ids[1, 0], output_ids[1, :4] = 17, 17
+    penalties = PenaltyInputs(
+        rows=torch.tensor([1, 3, 4]),
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
+        repetition=torch.tensor([1.3, 1.0, 0.8]),
+        frequency=torch.tensor([0.0, 0.37, -0.2]),
+        presence=torch.tensor([0.5, 1.1, 0.0]),
+    )
+    before = logits.clone()
+    got = apply_penalty_inputs(logits, penalties)
+    assert torch.equal(logits, before)  # a new tensor: the logprobs read the logits unpenalised
+    expected = penalised_by_torch(logits, penalties)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got[penalties.rows], before[penalties.rows])

@@ -88,7 +88,22 @@ class PenaltyInputs:
 def apply_penalty_inputs(logits: torch.Tensor, penalties: PenaltyInputs) -> torch.Tensor:
     """Repetition (prompt + output), then frequency and presence (output only); a new tensor.
 
-    logits: [num_rows, vocab] float32. Only seen tokens change, as in vLLM and HF."""
+    logits: [num_rows, vocab] float32. Only seen tokens change, as in vLLM and HF. On CPU the
+    native kernel (kernels/cpu/sampling.cpp) changes just those, bit for bit as below, in a copy
+    of the logits (eight [rows, vocab] tensors here: a median 28-32 ms a step at 32 rows of
+    Qwen's vocab)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and native_ops() is not None:
+        logits = logits.contiguous().clone()
+        native_ops().apply_penalties_(
+            logits, penalties.rows, penalties.prompt_ids, penalties.output_ids,
+            penalties.repetition, penalties.frequency, penalties.presence,
+        )  # fmt: skip
+        return logits
+    return penalised_by_torch(logits, penalties)
+
+
+def penalised_by_torch(logits: torch.Tensor, penalties: PenaltyInputs) -> torch.Tensor:
+    """apply_penalty_inputs in torch operations: the GPU's path and the native kernel's oracle."""
     num_rows, vocab_size = penalties.prompt_ids.shape[0], logits.shape[1]
     device = logits.device
     output_ids = _padding_to_dummy(penalties.output_ids, vocab_size)
