@@ -126,6 +126,28 @@ inline uint32_t bits_of(float w) {
   return bits;  // ordered as the weights are, weights being >= 0
 }
 
+// fn(i) for each i in [begin, end) where test holds of w[i]: test(v) over kLanes weights at a time
+// (a lane mask), test_one(x) over the rest
+template <typename Test, typename TestOne, typename Fn>
+void for_each_where(const float* w, int64_t begin, int64_t end, Test test, TestOne test_one, Fn fn) {
+  int64_t i = begin;
+#ifdef __AVX2__
+  for (; i + kLanes <= end; i += kLanes) {
+    for (int mask = _mm256_movemask_ps(test(_mm256_loadu_ps(w + i))); mask; mask &= mask - 1)
+      fn(i + __builtin_ctz(mask));
+  }
+#endif
+  for (; i < end; ++i)
+    if (test_one(w[i])) fn(i);
+}
+
+// the weights' sum, float32 blocks of kBlock added in float64 (as inverse_cdf adds them)
+double mass_of(const float* w, int64_t vocab) {
+  double mass = 0.0;
+  for (int64_t b = 0; b < vocab; b += kBlock) mass += block_sum(w + b, std::min(kBlock, vocab - b));
+  return mass;
+}
+
 // The bucket of keys[] (running totals, highest key first) where the running total reaches
 // target, `before` raised by the buckets above it; the last non-empty one where none does
 int bucket_reaching(const double* sums, int keys, double target, double& before) {
@@ -173,8 +195,17 @@ Boundary boundary_of_all(const float* w, int64_t vocab, double target, bool by_m
   double before = 0.0;
   const uint32_t chosen = bucket_reaching(sums.data(), kKeys, target, before);
   ids.clear();
-  for (int64_t i = 0; i < vocab; ++i)
-    if (w[i] > 0.f && bits_of(w[i]) >> 20 == chosen) ids.push_back(static_cast<int32_t>(i));
+  const auto in_bucket = [chosen](float x) { return x > 0.f && bits_of(x) >> 20 == chosen; };
+#ifdef __AVX2__
+  const auto in_bucket8 = [chosen](__m256 v) {
+    const __m256i keys = _mm256_srli_epi32(_mm256_castps_si256(v), 20);
+    const __m256 same = _mm256_castsi256_ps(_mm256_cmpeq_epi32(keys, _mm256_set1_epi32(static_cast<int>(chosen))));
+    return _mm256_and_ps(same, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ));
+  };
+#else
+  const auto in_bucket8 = nullptr;
+#endif
+  for_each_where(w, 0, vocab, in_bucket8, in_bucket, [&](int64_t i) { ids.push_back(static_cast<int32_t>(i)); });
   return boundary_in(w, ids, before, target, by_mass, 8);
 }
 
@@ -194,8 +225,13 @@ void keep_through(float* w, int64_t vocab, Boundary last) {
   }
 #endif
   for (; i < vocab; ++i) w[i] = w[i] >= last.weight ? w[i] : 0.f;
-  for (int64_t j = last.id + 1; j < vocab; ++j)  // ties after the boundary's token id
-    if (w[j] == last.weight) w[j] = 0.f;
+  const auto tie = [&](float x) { return x == last.weight; };  // after the boundary's token id
+#ifdef __AVX2__
+  const auto tie8 = [&](__m256 v) { return _mm256_cmp_ps(v, floor, _CMP_EQ_OQ); };
+#else
+  const auto tie8 = nullptr;
+#endif
+  for_each_where(w, last.id + 1, vocab, tie8, tie, [&](int64_t j) { w[j] = 0.f; });
 }
 
 // Top-k, then top-p over the mass top-k leaves (the torch path's keep_top_k_top_p): w of the
@@ -203,15 +239,20 @@ void keep_through(float* w, int64_t vocab, Boundary last) {
 void cut_top_k_top_p(float* w, int64_t vocab, const RowSettings& s) {
   thread_local std::vector<int32_t> ids;
   const bool top_p = s.top_p < 1.f;
+  const auto is_positive = [](float x) { return x > 0.f; };
+#ifdef __AVX2__
+  const auto positive8 = [](__m256 v) { return _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ); };
+#else
+  const auto positive8 = nullptr;
+#endif
   int64_t positive = vocab;
   if (s.top_k < vocab) {
     positive = 0;
-    for (int64_t i = 0; i < vocab; ++i) positive += w[i] > 0.f;
+    for_each_where(w, 0, vocab, positive8, is_positive, [&](int64_t) { ++positive; });
   }
   if (s.top_k >= positive) {
     if (top_p) {
-      double mass = 0.0;
-      for (int64_t i = 0; i < vocab; ++i) mass += w[i];
+      const double mass = mass_of(w, vocab);
       keep_through(w, vocab, boundary_of_all(w, vocab, static_cast<double>(s.top_p) * mass, true, ids));
     }
     return;
@@ -219,13 +260,8 @@ void cut_top_k_top_p(float* w, int64_t vocab, const RowSettings& s) {
   keep_through(w, vocab, boundary_of_all(w, vocab, static_cast<double>(s.top_k), false, ids));
   if (!top_p) return;
   ids.clear();
-  double mass = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (w[i] > 0.f) {
-      ids.push_back(static_cast<int32_t>(i));
-      mass += w[i];
-    }
-  }
+  for_each_where(w, 0, vocab, positive8, is_positive, [&](int64_t i) { ids.push_back(static_cast<int32_t>(i)); });
+  const double mass = mass_of(w, vocab);
   keep_through(w, vocab, boundary_in(w, ids, 0.0, static_cast<double>(s.top_p) * mass, true, 20));
 }
 
