@@ -41,6 +41,7 @@ SOURCES = tuple(
 HEADERS = tuple(
     Path(__file__).parent / "cpu" / name
     for name in (
+        "float8.h",
         "gguf_blocks.h",
         "int16_weights.h",
         "int8_lanes.h",

@@ -27,7 +27,11 @@
 #include <immintrin.h>
 #endif
 
+#include "float8.h"
+
 namespace {
+
+using namespace conveyor_float8;
 
 inline float to_float(float x) { return x; }
 
@@ -65,15 +69,8 @@ inline int64_t first_key(int64_t seq_len, const Layout& l) {
   return l.sliding_window > 0 ? std::max<int64_t>(seq_len - l.sliding_window, 0) : 0;
 }
 
-// Eight floats, loaded from any float address: GCC/Clang vector extensions become AVX2 or
 // AVX-512 instructions under -march=native and plain loops elsewhere.
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
-
-inline float sum_lanes(v8 x) {
-  float total = 0.f;
-  for (int i = 0; i < 8; ++i) total += x[i];
-  return total;
-}
 
 // Two accumulators: the FMA chains interleave instead of waiting on each other.
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -164,15 +161,8 @@ void attend_sequence_any_dim(const T* q, const T* k_cache, const T* v_cache, con
 // chunks of tokens that stay in L1. 2.2x faster than the per-token path at head_dim 16, 1.1x at
 // 64 (where both wait on memory), the same at 128 (measured on Zen 3, one thread).
 
-inline v8 load8(const float* p) { return *reinterpret_cast<const v8*>(p); }
 
-typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
 typedef int32_t i8 __attribute__((vector_size(32)));
-
-inline v8 load8(const at::BFloat16* p) {  // bfloat16 -> float32: the bits, 16 places up
-  const u16x8 bits = *reinterpret_cast<const u16x8*>(p);
-  return (v8)(__builtin_convertvector(bits, i8) << 16);
-}
 
 // [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in one vector.
 inline v8 sum8(const v8 (&a)[8]) {
@@ -187,31 +177,6 @@ inline v8 sum8(const v8 (&a)[8]) {
 #else
   v8 out;
   for (int i = 0; i < 8; ++i) out[i] = sum_lanes(a[i]);
-  return out;
-#endif
-}
-
-// exp(x) for x <= 0 (scores minus their maximum), about 1 ulp: 2^n * e^r with n = round(x /
-// ln 2), |r| <= ln 2 / 2, e^r by Cephes' polynomial; 0 below -87 (e^-87 is ~1e-38).
-inline v8 exp8(v8 x) {
-#if defined(__AVX__)
-  const v8 too_small = (v8)(x < -87.f);
-  x = x < -87.f ? v8{} - 87.f : x;
-  const v8 n = (v8)_mm256_round_ps((__m256)(x * 1.44269504088896341f),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.f;
-  const i8 scale = (__builtin_convertvector(n, i8) + 127) << 23;
-  const v8 out = p * (v8)scale;
-  return (v8)((i8)out & ~(i8)too_small);
-#else
-  v8 out;
-  for (int i = 0; i < 8; ++i) out[i] = std::exp(x[i]);
   return out;
 #endif
 }

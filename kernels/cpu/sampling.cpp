@@ -31,38 +31,20 @@
 #include <immintrin.h>
 #endif
 
+#include "float8.h"
+
 namespace {
 
+using namespace conveyor_float8;
+
 constexpr int64_t kBlock = 1024;  // ops.CDF_BLOCK
-constexpr float kLowest = -87.33654f;  // e^x below this is no normal float: taken as 0
+constexpr float kLowest = -87.f;  // e^x below this is taken as 0, as float8.h's exp8 takes it
 
 inline float value_of(float v) { return v; }
 inline float value_of(c10::BFloat16 v) { return static_cast<float>(v); }
 
 #ifdef __AVX2__
 constexpr int kLanes = 8;
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
-
-// e^x for x <= 0 (Cephes' expf polynomial, relative error about 1e-7); 0 below kLowest and for -inf
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 below = _mm256_cmp_ps(x, _mm256_set1_ps(kLowest), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(kLowest));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(below, _mm256_mul_ps(y, _mm256_castsi256_ps(exponent)));
-}
 #endif
 
 template <typename T>
@@ -71,7 +53,7 @@ float largest(const T* row, int64_t vocab) {
   float best = -INFINITY;
 #ifdef __AVX2__
   __m256 tops = _mm256_set1_ps(-INFINITY);
-  for (; i + kLanes <= vocab; i += kLanes) tops = _mm256_max_ps(tops, load8(row + i));
+  for (; i + kLanes <= vocab; i += kLanes) tops = _mm256_max_ps(tops, (__m256)load8(row + i));
   alignas(32) float lanes[kLanes];
   _mm256_store_ps(lanes, tops);
   for (float lane : lanes) best = std::max(best, lane);
@@ -85,10 +67,9 @@ template <typename T>
 void weights_of(const T* row, int64_t vocab, float best, float inverse_t, float* w) {
   int64_t i = 0;
 #ifdef __AVX2__
-  const __m256 top = _mm256_set1_ps(best), scale = _mm256_set1_ps(inverse_t), zero = _mm256_setzero_ps();
   for (; i + kLanes <= vocab; i += kLanes) {
-    const __m256 p = exp_nonpositive(_mm256_mul_ps(_mm256_sub_ps(load8(row + i), top), scale));
-    _mm256_storeu_ps(w + i, _mm256_and_ps(p, _mm256_cmp_ps(p, zero, _CMP_GE_OQ)));
+    const v8 p = exp8((load8(row + i) - best) * inverse_t);
+    *reinterpret_cast<v8*>(w + i) = (v8)((i8)p & (p >= 0.f));  // NaN: 0
   }
 #endif
   for (; i < vocab; ++i) {
