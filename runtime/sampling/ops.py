@@ -93,7 +93,7 @@ def apply_penalty_inputs(logits: torch.Tensor, penalties: PenaltyInputs) -> torc
     of the logits (eight [rows, vocab] tensors here: a median 28-32 ms a step at 32 rows of
     Qwen's vocab)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and native_ops() is not None:
-        logits = logits.contiguous().clone()
+        logits = logits.clone(memory_format=torch.contiguous_format)  # one copy, strided or not
         native_ops().apply_penalties_(
             logits, penalties.rows, penalties.prompt_ids, penalties.output_ids,
             penalties.repetition, penalties.frequency, penalties.presence,
