@@ -9,7 +9,7 @@ import torch
 from benchmarks.quant_accuracy import fixed_text_ids, teacher_forced
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.models import cpu_kernels, quant
+from runtime.models import cpu_kernels, layers, quant
 from runtime.models.catalog import pull
 from runtime.models.gemma3 import Gemma3ForCausalLM
 from runtime.models.layers import Linear
@@ -69,6 +69,19 @@ def test_greedy_decode_starts_as_the_float32_path(smollm2):
     assert smollm2["gguf"].block_manager.num_free_gpu_blocks == (
         smollm2["gguf"].block_manager.num_gpu_blocks
     )
+
+
+def test_a_long_prompts_mlp_runs_in_row_chunks_with_the_same_bits(smollm2, monkeypatch):
+    mlp = smollm2["gguf"].runner.model.layers[0].mlp
+    x = torch.randn(2 * layers.MLP_ROWS_AT_ONCE + 37, mlp.gate_up_proj.in_features)
+    calls = []
+    rows = mlp._rows
+    monkeypatch.setattr(mlp, "_rows", lambda part: calls.append(len(part)) or rows(part))
+    chunked = mlp(x)
+    assert calls == [layers.MLP_ROWS_AT_ONCE] * 2 + [37]
+    monkeypatch.setattr(layers, "MLP_ROWS_AT_ONCE", len(x))
+    assert torch.equal(chunked, mlp(x))  # 8-bit rows: a row's bits do not depend on its batch
+    assert calls[3:] == [len(x)]
 
 
 def test_mixed_types_in_one_fused_projection_run_side_by_side():

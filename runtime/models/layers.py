@@ -107,6 +107,12 @@ class RMSNorm(StepModule):
         )
 
 
+# A prompt's rows through the MLP on CPU this many at a time: its [rows, 2 * intermediate] middle
+# stays under glibc's 32 MiB mmap threshold, where each larger buffer is mapped and faulted in
+# again on every call (a 1,024-row prefill of Qwen2.5-0.5B: 40 MB a layer, 30 ms of page faults on
+# the engine thread), and in L3 for the activation. Rows are independent here.
+MLP_ROWS_AT_ONCE = 256
+
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -121,6 +127,11 @@ class GatedMLP(StepModule):
         self.act = ACTIVATIONS[config.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.shape[0] <= MLP_ROWS_AT_ONCE:
+            return self._rows(x)
+        return torch.cat([self._rows(rows) for rows in x.split(MLP_ROWS_AT_ONCE)])
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
