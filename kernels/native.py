@@ -32,6 +32,7 @@ SOURCES = tuple(
         "quant_dot.cpp",
         "quant_gemm.cpp",
         "quant_gemm_int8.cpp",
+        "quant_gemm_int16.cpp",
         "quant_dot_int8.cpp",
         "layer_ops.cpp",
         "decode_layer.cpp",

@@ -76,11 +76,17 @@ def rounded_to_int8_groups(x: torch.Tensor, qtype) -> torch.Tensor:
     return rounded_in_groups(x, 32, 127)
 
 
-@pytest.mark.skipif(not cpu_kernels.integer_dots(), reason="quant_dot needs x86 with AVX2")
+needs_int16_kernels = pytest.mark.skipif(
+    not cpu_kernels.integer_dots(), reason="quant_dot and quant_gemm_int16 need x86 with AVX2"
+)
+
+
+@needs_int16_kernels
+@pytest.mark.parametrize("kernel", ["quant_dot", "quant_gemm_int16"])
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16, 41])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_integer_dot_is_the_oracle_on_int16_rounded_activations(qtype, rows, dtype):
+def test_int16_kernels_are_the_oracle_on_int16_rounded_activations(kernel, qtype, rows, dtype):
     rng = np.random.default_rng(rows * 17 + int(qtype))
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     out_features, in_features = 29, block * (5 if block == 32 else 2)
@@ -91,7 +97,7 @@ def test_integer_dot_is_the_oracle_on_int16_rounded_activations(qtype, rows, dty
     x[plain:, -3] = 40.0  # an outlier: the rest of its group is rounded more coarsely
     weight = oracle(blocks, qtype, out_features, in_features)
     expected = rounded_to_int16_groups(x, qtype) @ weight.T
-    got = native.native_ops().quant_dot(
+    got = getattr(native.native_ops(), kernel)(
         x, torch.from_numpy(blocks.copy()), int(qtype), out_features, in_features
     )
     assert got.dtype == dtype
@@ -103,10 +109,11 @@ def test_integer_dot_is_the_oracle_on_int16_rounded_activations(qtype, rows, dty
         torch.testing.assert_close(got[:plain], exact, atol=1e-4 * scale, rtol=1e-4)
 
 
-@pytest.mark.skipif(not cpu_kernels.integer_dots(), reason="quant_dot needs x86 with AVX2")
+@needs_int16_kernels
+@pytest.mark.parametrize("kernel", ["quant_dot", "quant_gemm_int16"])
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype, dtype):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernel, qtype, dtype):
     """A verify of k drafts runs k + 1 rows in one call: each row must come out bit for bit as
     it does alone, as a plain decode step computes it."""
     rng = np.random.default_rng(int(qtype) + 5)
@@ -114,11 +121,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype, dtype):
     out_features, in_features = 19, block * (3 if block == 32 else 2)
     blocks = torch.from_numpy(quantized(qtype, out_features, in_features, rng).copy())
     x = torch.from_numpy(rng.standard_normal((13, in_features)).astype(np.float32)).to(dtype)
-    ops = native.native_ops()
-    alone = torch.cat([ops.quant_dot(x[i : i + 1], blocks, int(qtype), out_features, in_features)
+    multiply = getattr(native.native_ops(), kernel)
+    alone = torch.cat([multiply(x[i : i + 1], blocks, int(qtype), out_features, in_features)
                        for i in range(13)])  # fmt: skip
     for rows in (2, 3, 5, 6, 7, 13):
-        together = ops.quant_dot(x[:rows], blocks, int(qtype), out_features, in_features)
+        together = multiply(x[:rows], blocks, int(qtype), out_features, in_features)
         assert torch.equal(together, alone[:rows]), rows
 
 
@@ -238,6 +245,13 @@ def test_8_bit_rows_take_int8_dots_or_tiles_by_count_unless_told_not_to():
         quant_dot = kernel_of("quant_dot", few)
         assert torch.equal(linear(few), quant_dot)
         assert not torch.equal(quant_dot, kernel_of("quant_dot_int8", few))
+    if cpu_kernels.int16_tiles():  # AVX2 without AVX-512: decode steps of 7 to 48 rows
+        more = torch.randn(cpu_kernels.DECODE_ROWS + 1, 96).bfloat16()
+        with cpu_kernels.step_kind(has_prompt_rows=False, int8_activations=False):
+            assert torch.equal(linear(more), kernel_of("quant_gemm_int16", more))
+            assert torch.equal(linear(more[:-1]), kernel_of("quant_dot", more[:-1]))
+        with cpu_kernels.step_kind(has_prompt_rows=True, int8_activations=False):  # tiles
+            assert not torch.equal(linear(more), kernel_of("quant_gemm_int16", more))
     if cpu_kernels.bf16_tiles():
         many = torch.randn(cpu_kernels.DECODE_ROWS + 1, 96).bfloat16()
         with cpu_kernels.step_kind(has_prompt_rows=False, int8_activations=False):

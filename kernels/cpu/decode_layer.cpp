@@ -3,7 +3,7 @@
 // (runtime/models/llama.py's, gemma3.py's), called through the dispatcher from here instead of
 // from Python. The projections take the GGUF matmul
 // the modules would take at this step's row count (`matmul`: quant_dot_int8 or quant_dot for a few
-// rows, quant_gemm_int8 or quant_gemm for a full batch; runtime/models/cpu_kernels.py decides). A
+// rows, quant_gemm_int8, quant_gemm_int16 or quant_gemm for a full batch; runtime/models/cpu_kernels.py decides). A
 // SmolLM2 decode step makes about 25 small calls a layer; from Python each costs microseconds of
 // interpreter and binding, which came to a third of the step (measured: 5-6 ms of 13-17). The
 // results are bit for bit the unfused layer's (tests/test_decode_layer.py): every number comes
@@ -42,11 +42,13 @@ const Matmul& matmul_named(c10::string_view name) {
   static const Matmul floats = typed_op<Signature>("conveyor_cpu::quant_matmul");
   static const Matmul int8 = typed_op<Signature>("conveyor_cpu::quant_gemm_int8");
   static const Matmul int8_dots = typed_op<Signature>("conveyor_cpu::quant_dot_int8");
+  static const Matmul int16 = typed_op<Signature>("conveyor_cpu::quant_gemm_int16");
   static const Matmul tiles = typed_op<Signature>("conveyor_cpu::quant_gemm");
   if (name == "quant_dot") return dot;
   if (name == "quant_matmul") return floats;
   if (name == "quant_gemm_int8") return int8;
   if (name == "quant_dot_int8") return int8_dots;
+  if (name == "quant_gemm_int16") return int16;
   TORCH_CHECK(name == "quant_gemm", "decode_layer: no GGUF matmul named ", name);
   return tiles;
 }

@@ -170,5 +170,45 @@ inline float total(FloatSum v) {
 }
 #endif
 
+// Per GGUF type, on either width (quant_dot.cpp and quant_gemm_int16.cpp):
+// what a block's sub-blocks share: its float scale d, a K-quant's sub-block scales and the
+// factors of the float offsets per sub-block (Q4_K/Q5_K: -dmin * min_j; Q4_1 adds its m apart)
+struct BlockHeader {
+  float d;
+  uint8_t scales[8];
+  __m256 offsets;
+};
+
+template <int64_t kType>
+inline BlockHeader header_of(const uint8_t* b) {
+  BlockHeader h;
+  h.d = half_at(kType == Q6_K ? b + 208 : b);
+  if constexpr (kType == Q4_K || kType == Q5_K) {
+    uint32_t scales[2], mins[2];
+    k4_scales_mins(b, scales, mins);
+    std::memcpy(h.scales, scales, 8);
+    h.offsets = _mm256_mul_ps(floats8(mins), _mm256_set1_ps(-half_at(b + 2)));
+  }
+  return h;
+}
+
+// sub-block j of block b as 16-bit integers: every integer of the type folded in
+template <int64_t kType>
+inline W16 weights16(const uint8_t* b, int j, const BlockHeader& h) {
+  if constexpr (kType == Q4_0) return minus(nibbles16(b + 2), 8);
+  if constexpr (kType == Q4_1) return nibbles16(b + 4);
+  if constexpr (kType == Q5_0) return q5_0_16(b);
+  if constexpr (kType == Q8_0) return signed16(b + 2);
+  if constexpr (kType == Q4_K) return times(k4_nibbles16(b + 16, j), h.scales[j]);
+  if constexpr (kType == Q5_K) {
+    const __m256i high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    return times(widen(k4_k5_codes(b + 48, &high_bits, j)), h.scales[j]);
+  }
+  if constexpr (kType == Q6_K) return q6_k_16(b, j);
+}
+
+template <int64_t kType>
+constexpr bool kHasOffsets = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
+
 }  // namespace conveyor_gguf
 #endif

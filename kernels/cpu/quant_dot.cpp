@@ -43,45 +43,6 @@ namespace {
 #ifdef CONVEYOR_GGUF_BLOCKS
 using namespace conveyor_gguf;
 
-// what a block's sub-blocks share: its float scale d, a K-quant's sub-block scales and the
-// factors of the float offsets per sub-block (Q4_K/Q5_K: -dmin * min_j; Q4_1 adds its m apart)
-struct BlockHeader {
-  float d;
-  uint8_t scales[8];
-  __m256 offsets;
-};
-
-template <int64_t kType>
-inline BlockHeader header_of(const uint8_t* b) {
-  BlockHeader h;
-  h.d = half_at(kType == Q6_K ? b + 208 : b);
-  if constexpr (kType == Q4_K || kType == Q5_K) {
-    uint32_t scales[2], mins[2];
-    k4_scales_mins(b, scales, mins);
-    std::memcpy(h.scales, scales, 8);
-    h.offsets = _mm256_mul_ps(floats8(mins), _mm256_set1_ps(-half_at(b + 2)));
-  }
-  return h;
-}
-
-// sub-block j of block b as 16-bit integers: every integer of the type folded in
-template <int64_t kType>
-inline W16 weights16(const uint8_t* b, int j, const BlockHeader& h) {
-  if constexpr (kType == Q4_0) return minus(nibbles16(b + 2), 8);
-  if constexpr (kType == Q4_1) return nibbles16(b + 4);
-  if constexpr (kType == Q5_0) return q5_0_16(b);
-  if constexpr (kType == Q8_0) return signed16(b + 2);
-  if constexpr (kType == Q4_K) return times(k4_nibbles16(b + 16, j), h.scales[j]);
-  if constexpr (kType == Q5_K) {
-    const __m256i high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    return times(widen(k4_k5_codes(b + 48, &high_bits, j)), h.scales[j]);
-  }
-  if constexpr (kType == Q6_K) return q6_k_16(b, j);
-}
-
-template <int64_t kType>
-constexpr bool kHasOffsets = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
-
 // the sums of x's represented values that block b's offsets multiply, for row `row`
 inline __m256 offset_sums(const QuantizedRows& xq, int64_t row, int64_t b) {
   return load8(xq.sub_sums.data() + row * xq.sums_stride + b * 8);
@@ -205,16 +166,6 @@ void dot_band(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
 #endif
     }
   }
-}
-
-// values of x sharing a step: a K-quant's block; for the others the most of 256, 128, 64 and 32
-// that divides a row (fewer steps to compute, about the same error: 1.5e-5 of the group's largest)
-template <int64_t kType>
-int64_t x_group(int64_t in) {
-  if (kSubsPerBlock<kType> > 1) return 256;
-  int64_t group = 256;
-  while (in % group) group /= 2;
-  return group;
 }
 
 // y [rows, out] in x's dtype: threads over bands of weight rows, each read from memory once

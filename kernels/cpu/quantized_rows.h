@@ -57,6 +57,16 @@ void quantize_group(const T* x, int64_t count, int16_t* values, float* step, flo
   }
 }
 
+// values of x sharing a step: a K-quant's block; for the others the most of 256, 128, 64 and 32
+// that divides a row (fewer steps to compute, about the same error: 1.5e-5 of the group's largest)
+template <int64_t kType>
+inline int64_t x_group(int64_t in) {
+  if (kSubsPerBlock<kType> > 1) return 256;
+  int64_t group = 256;
+  while (in % group) group /= 2;
+  return group;
+}
+
 // x [rows, in] contiguous; the buffers are the calling thread's, reused by its next call (a
 // decode step makes about a hundred)
 template <typename T>

@@ -1,7 +1,8 @@
 """Which native CPU kernel multiplies a step's rows by GGUF weights (runtime/models/quant.py's
 QuantizedWeight asks). With 8-bit activations: few rows kernels/cpu/quant_dot_int8.cpp, many
 quant_gemm_int8.cpp (AVX-512 VNNI or AVX2), which round a row bit for bit alike. Otherwise: few
-rows quant_dot.cpp (integer dots, int16 activations) or quant_matmul.cpp (float); many rows, for
+rows quant_dot.cpp (integer dots, int16 activations) or quant_matmul.cpp (float), and on AVX2
+without AVX-512 decode steps of 7-48 rows quant_gemm_int16.cpp (the same integers); many rows, for
 bfloat16, quant_gemm.cpp (bfloat16 tiles, AVX-512 BF16); else none (tiles dequantized for
 torch's matmul). There the running step's kind (step_kind) decides with the row count, so that a
 row rounds the same way wherever the scheduler puts it."""
@@ -43,6 +44,17 @@ def bf16_tiles() -> bool:
     there torch's matmul (oneDNN's AMX tiles) multiplies far faster than vdpbf16ps."""
     ops = native_ops()
     return ops is not None and ops.quant_gemm_available() and "amx_bf16" not in cpu_flags()
+
+
+@functools.cache
+def int16_tiles() -> bool:
+    """Where quant_dot serves decode steps of up to SCALAR_DEQUANTIZE_DECODE_ROWS sequences (AVX2
+    without AVX-512) and activations are not 8-bit, steps of more than DECODE_ROWS multiply in
+    kernels/cpu/quant_gemm_int16.cpp: quant_dot's integers in a GEMM's layout, 8 rows a vector.
+    Gemma 3's layer shapes on a Zen 3, 8 to 48 rows: 1.25-1.86x quant_dot's speed (at 6 rows
+    1.06-1.22x, at 12 rows 0.94-1.23x; docs/benchmarks.md, 2026-11-29, noon)."""
+    ops = native_ops()
+    return integer_dots() and ops.quant_gemm_int16_available() and not vector_dequantize()
 
 
 @functools.cache
@@ -129,6 +141,8 @@ def native_kernel(ops, rows: torch.Tensor):
         few = rows.shape[0] <= INT8_DECODE_ROWS
         return ops.quant_dot_int8 if few else ops.quant_gemm_int8
     if few_rows_step(rows.shape[0]):
+        if int16_tiles() and _counted_rows(rows.shape[0]) > DECODE_ROWS:
+            return ops.quant_gemm_int16
         return ops.quant_dot if integer_dots() else ops.quant_matmul
     return ops.quant_gemm if bf16_tiles() and rows.dtype == torch.bfloat16 else None
 
