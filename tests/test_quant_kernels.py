@@ -245,11 +245,14 @@ def test_8_bit_rows_take_int8_dots_or_tiles_by_count_unless_told_not_to():
         quant_dot = kernel_of("quant_dot", few)
         assert torch.equal(linear(few), quant_dot)
         assert not torch.equal(quant_dot, kernel_of("quant_dot_int8", few))
-    if cpu_kernels.int16_tiles():  # AVX2 without AVX-512: decode steps of 7 to 48 rows
-        more = torch.randn(cpu_kernels.DECODE_ROWS + 1, 96).bfloat16()
+    if cpu_kernels.int16_tiles():  # AVX2 without AVX-512: decode steps of 7 to 96 rows
+        most = torch.randn(cpu_kernels.INT16_TILE_DECODE_ROWS + 1, 96).bfloat16()
+        more = most[: cpu_kernels.DECODE_ROWS + 1]
         with cpu_kernels.step_kind(has_prompt_rows=False, int8_activations=False):
             assert torch.equal(linear(more), kernel_of("quant_gemm_int16", more))
             assert torch.equal(linear(more[:-1]), kernel_of("quant_dot", more[:-1]))
+            assert torch.equal(linear(most[:-1]), kernel_of("quant_gemm_int16", most[:-1]))
+            assert not torch.equal(linear(most), kernel_of("quant_gemm_int16", most))  # tiles
         with cpu_kernels.step_kind(has_prompt_rows=True, int8_activations=False):  # tiles
             assert not torch.equal(linear(more), kernel_of("quant_gemm_int16", more))
     if cpu_kernels.bf16_tiles():

@@ -2,7 +2,7 @@
 QuantizedWeight asks). With 8-bit activations: few rows kernels/cpu/quant_dot_int8.cpp, many
 quant_gemm_int8.cpp (AVX-512 VNNI or AVX2), which round a row bit for bit alike. Otherwise: few
 rows quant_dot.cpp (integer dots, int16 activations) or quant_matmul.cpp (float), and on AVX2
-without AVX-512 decode steps of 7-48 rows quant_gemm_int16.cpp (the same integers); many rows, for
+without AVX-512 decode steps of 7-96 rows quant_gemm_int16.cpp (the same integers); many rows, for
 bfloat16, quant_gemm.cpp (bfloat16 tiles, AVX-512 BF16); else none (tiles dequantized for
 torch's matmul). There the running step's kind (step_kind) decides with the row count, so that a
 row rounds the same way wherever the scheduler puts it."""
@@ -26,6 +26,9 @@ INT8_DECODE_ROWS = 4  # at most this many 8-bit rows take quant_dot_int8, more q
 SCALAR_DEQUANTIZE_DECODE_ROWS = 48  # the same without AVX-512 (AVX2) and 8-bit activations:
 # dequantizing a tile is scalar there, and quant_dot, a pass per 4 rows, stays faster up to
 # about 48 rows
+INT16_TILE_DECODE_ROWS = 96  # where quant_gemm_int16 runs (int16_tiles): against tiles
+# dequantized for torch's sgemm, Gemma 3's ffn shapes on a Zen 3 1.18-1.28x at 64 rows, 0.96-0.98x
+# at 128, 0.89-0.90x at 256
 
 
 @functools.cache
@@ -48,8 +51,9 @@ def bf16_tiles() -> bool:
 
 @functools.cache
 def int16_tiles() -> bool:
-    """Where quant_dot serves decode steps of up to SCALAR_DEQUANTIZE_DECODE_ROWS sequences (AVX2
-    without AVX-512) and activations are not 8-bit, steps of more than DECODE_ROWS multiply in
+    """Where quant_dot would serve decode steps of up to SCALAR_DEQUANTIZE_DECODE_ROWS sequences
+    (AVX2 without AVX-512) and activations are not 8-bit, steps of DECODE_ROWS + 1 to
+    INT16_TILE_DECODE_ROWS multiply in
     kernels/cpu/quant_gemm_int16.cpp: quant_dot's integers in a GEMM's layout, 8 rows a vector.
     Gemma 3's layer shapes on a Zen 3, 8 to 48 rows: 1.25-1.86x quant_dot's speed (at 6 rows
     1.06-1.22x, at 12 rows 0.94-1.23x; docs/benchmarks.md, 2026-11-29, noon)."""
@@ -117,8 +121,10 @@ def step_kind(has_prompt_rows: bool, drafted_seqs: int = 0, int8_activations: bo
 
 def integer_dot_rows() -> int:
     """Where activations are not 8-bit: at most this many rows (a decode step's sequences) run
-    the few-rows kernel (quant_dot or quant_matmul)."""
-    return DECODE_ROWS if vector_dequantize() else SCALAR_DEQUANTIZE_DECODE_ROWS
+    the few-rows kernels (quant_dot or quant_matmul; quant_gemm_int16 past DECODE_ROWS)."""
+    if vector_dequantize():
+        return DECODE_ROWS
+    return INT16_TILE_DECODE_ROWS if int16_tiles() else SCALAR_DEQUANTIZE_DECODE_ROWS
 
 
 def _counted_rows(rows: int) -> int:
