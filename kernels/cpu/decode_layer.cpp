@@ -3,8 +3,8 @@
 // (runtime/models/llama.py's, gemma3.py's), called through the dispatcher from here instead of
 // from Python. The projections take the GGUF matmul
 // the modules would take at this step's row count (`matmul`: quant_dot_int8 or quant_dot for a few
-// rows, quant_gemm_int8, quant_gemm_int16 or quant_gemm for a full batch; runtime/models/cpu_kernels.py decides). A
-// SmolLM2 decode step makes about 25 small calls a layer; from Python each costs microseconds of
+// rows, quant_gemm_int8, quant_gemm_int16 or quant_gemm for a full batch;
+// runtime/models/cpu_kernels.py decides). A SmolLM2 decode step makes about 25 small calls a layer; from Python each costs microseconds of
 // interpreter and binding, which came to a third of the step (measured: 5-6 ms of 13-17). The
 // results are bit for bit the unfused layer's (tests/test_decode_layer.py): every number comes
 // from the same kernels.

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -199,6 +200,25 @@ constexpr int64_t kBlockBytes = kType == Q4_0   ? 18
 
 template <int64_t kType>
 constexpr int kSubsPerBlock = kType == Q4_K || kType == Q5_K || kType == Q6_K ? 8 : 1;
+
+// the types whose offsets are floats: Q4_1's m, Q4_K/Q5_K's -dmin * min_j
+template <int64_t kType>
+constexpr bool kFloatOffset = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
+
+// fn(std::integral_constant<int64_t, type>{}) for each type the kernels take
+template <typename Fn>
+void with_type(int64_t type, const char* op, Fn&& fn) {
+  switch (type) {
+    case Q4_0: return fn(std::integral_constant<int64_t, Q4_0>{});
+    case Q4_1: return fn(std::integral_constant<int64_t, Q4_1>{});
+    case Q5_0: return fn(std::integral_constant<int64_t, Q5_0>{});
+    case Q8_0: return fn(std::integral_constant<int64_t, Q8_0>{});
+    case Q4_K: return fn(std::integral_constant<int64_t, Q4_K>{});
+    case Q5_K: return fn(std::integral_constant<int64_t, Q5_K>{});
+    case Q6_K: return fn(std::integral_constant<int64_t, Q6_K>{});
+  }
+  TORCH_CHECK(false, op, ": no kernel for ggml type ", type);
+}
 
 // the 32-value sub-blocks of a row: Visit(sub, index of the sub-block in the row)
 template <typename Visit>

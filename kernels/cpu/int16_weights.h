@@ -207,8 +207,5 @@ inline W16 weights16(const uint8_t* b, int j, const BlockHeader& h) {
   if constexpr (kType == Q6_K) return q6_k_16(b, j);
 }
 
-template <int64_t kType>
-constexpr bool kHasOffsets = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
-
 }  // namespace conveyor_gguf
 #endif

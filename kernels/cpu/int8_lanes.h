@@ -218,30 +218,13 @@ int32_t codes_of(const T* values, float inverse, int8_t codes[kRoundValues]) {
 #endif
 
 // w = scale * (u - kZeroPoint) + offset, u the unsigned code (Q8_0: q + 128, or q itself where
-// its codes stay signed); only Q4_1 and the Q4_K/Q5_K mins have a float offset
+// its codes stay signed); only Q4_1 and the Q4_K/Q5_K mins have a float offset (kFloatOffset)
 template <int64_t kType>
 constexpr int kZeroPoint = kType == Q4_0   ? 8
                            : kType == Q5_0 ? 16
                            : kType == Q6_K ? 32
                            : kType == Q8_0 ? (kSignedQ8 ? 0 : 128)
                                            : 0;
-template <int64_t kType>
-constexpr bool kFloatOffset = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
-
-// fn(std::integral_constant<int64_t, type>{}) for each type the 8-bit kernels take
-template <typename Fn>
-void with_type(int64_t type, const char* op, Fn&& fn) {
-  switch (type) {
-    case Q4_0: return fn(std::integral_constant<int64_t, Q4_0>{});
-    case Q4_1: return fn(std::integral_constant<int64_t, Q4_1>{});
-    case Q5_0: return fn(std::integral_constant<int64_t, Q5_0>{});
-    case Q8_0: return fn(std::integral_constant<int64_t, Q8_0>{});
-    case Q4_K: return fn(std::integral_constant<int64_t, Q4_K>{});
-    case Q5_K: return fn(std::integral_constant<int64_t, Q5_K>{});
-    case Q6_K: return fn(std::integral_constant<int64_t, Q6_K>{});
-  }
-  TORCH_CHECK(false, op, ": no kernel for ggml type ", type);
-}
 
 // An 8-bit kernel's op: x float32 or bfloat16 [rows, in] -> y [rows, out] in x's dtype, through
 // run(type tag, x's data, rows, weight blocks, out, in, y's data) with bfloat16 as uint16_t

@@ -117,7 +117,7 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, int64_t in, const QuantizedRo
           }
         }
       }
-      if constexpr (kHasOffsets<kType> && kType != Q4_1)
+      if constexpr (kFloatOffset<kType> && kType != Q4_1)
         for (int i = 0; i < kOut; ++i)
           for (int r = 0; r < R; ++r) acc[i][r] = add_offsets(acc[i][r], h[i].offsets, offset_sums(xq, r0 + r, b));
     }
@@ -184,16 +184,9 @@ void dot_type(const uint8_t* w, int64_t row_bytes, int64_t in, const T* x, int64
 template <typename T>
 void dot_all(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t in, const T* x, int64_t rows, int64_t out,
              T* y) {
-  switch (type) {
-    case Q4_0: return dot_type<Q4_0>(w, row_bytes, in, x, rows, out, y);
-    case Q4_1: return dot_type<Q4_1>(w, row_bytes, in, x, rows, out, y);
-    case Q5_0: return dot_type<Q5_0>(w, row_bytes, in, x, rows, out, y);
-    case Q8_0: return dot_type<Q8_0>(w, row_bytes, in, x, rows, out, y);
-    case Q4_K: return dot_type<Q4_K>(w, row_bytes, in, x, rows, out, y);
-    case Q5_K: return dot_type<Q5_K>(w, row_bytes, in, x, rows, out, y);
-    case Q6_K: return dot_type<Q6_K>(w, row_bytes, in, x, rows, out, y);
-    default: TORCH_CHECK(false, "quant_dot: no kernel for ggml type ", type);
-  }
+  with_type(type, "quant_dot", [&](auto tag) {
+    dot_type<decltype(tag)::value>(w, row_bytes, in, x, rows, out, y);
+  });
 }
 
 void check_dot_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t row_bytes, int64_t out, int64_t in) {

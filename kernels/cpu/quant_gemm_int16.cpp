@@ -39,9 +39,6 @@ constexpr int kPair = 2;     // weight rows and row blocks a product takes (16 y
 template <int64_t kType>
 constexpr int kUnit = kType == Q6_K ? 16 : 32;  // values a lane sums before it converts
 
-template <int64_t kType>
-constexpr bool kFloatOffsets = kType == Q4_1 || kType == Q4_K || kType == Q5_K;
-
 // x [rows, in] in lanes: values [row blocks][in / 2][kLanes][2]; steps [row blocks][in / group]
 // [kLanes]; sums (x's represented values per 32) [row blocks][in / 32][kLanes]; padding rows 0
 struct LaneRows {
@@ -137,7 +134,7 @@ void block_product(const LaneRows& x, int64_t b0, const Tile& tile, int64_t j0, 
         y[rb][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[rb][j]), scale, y[rb][j]);
       }
     }
-    if constexpr (kFloatOffsets<kType>) {  // their units are whole sub-blocks of 32
+    if constexpr (kFloatOffset<kType>) {  // their units are whole sub-blocks of 32
       const int64_t s = u0 / 32;
       for (int rb = 0; rb < RB; ++rb) {
         const __m256 x_sums = _mm256_loadu_ps(x.sums.data() + ((b0 + rb) * subs + s) * kLanes);
@@ -196,16 +193,7 @@ void gemm(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, 
 
 template <typename T>
 void gemm_of_type(int64_t type, const T* x, int64_t rows, const uint8_t* w, int64_t out, int64_t in, T* y) {
-  switch (type) {
-    case Q4_0: return gemm<Q4_0>(x, rows, w, out, in, y);
-    case Q4_1: return gemm<Q4_1>(x, rows, w, out, in, y);
-    case Q5_0: return gemm<Q5_0>(x, rows, w, out, in, y);
-    case Q8_0: return gemm<Q8_0>(x, rows, w, out, in, y);
-    case Q4_K: return gemm<Q4_K>(x, rows, w, out, in, y);
-    case Q5_K: return gemm<Q5_K>(x, rows, w, out, in, y);
-    case Q6_K: return gemm<Q6_K>(x, rows, w, out, in, y);
-    default: TORCH_CHECK(false, "quant_gemm_int16: no kernel for ggml type ", type);
-  }
+  with_type(type, "quant_gemm_int16", [&](auto tag) { gemm<decltype(tag)::value>(x, rows, w, out, in, y); });
 }
 
 at::Tensor quant_gemm_int16(const at::Tensor& x, const at::Tensor& weight, int64_t type, int64_t out, int64_t in) {
