@@ -37,6 +37,7 @@ SOURCES = tuple(
         "layer_ops.cpp",
         "decode_layer.cpp",
         "sampling.cpp",
+        "penalties.cpp",
     )
 )
 HEADERS = tuple(
@@ -47,6 +48,7 @@ HEADERS = tuple(
         "int16_weights.h",
         "int8_lanes.h",
         "quantized_rows.h",
+        "row_settings.h",
         "transpose8.h",
     )
 )

@@ -166,8 +166,12 @@ def test_bad_settings_are_refused():
     logits = torch.zeros(2, 10)
     with pytest.raises(RuntimeError, match="vocab"):
         ops.draw_tempered(logits, 11, torch.ones(2), None, None, None, torch.zeros(2))
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="draw_tempered: temperature .rows. float32"):
         ops.draw_tempered(logits, 10, torch.ones(3), None, None, None, torch.zeros(2))
+    ids, one = torch.zeros(1, 3, dtype=torch.long), torch.ones(1)
+    with pytest.raises(RuntimeError, match="apply_penalties_: frequency .rows. float32"):
+        ops.apply_penalties_(logits, torch.tensor([0]), ids, ids, one, torch.ones(2), one)
+    assert torch.equal(logits, torch.zeros(2, 10))
 
 
 def test_the_sampler_draws_a_seeded_row_alike_with_or_without_the_float32_copy():
