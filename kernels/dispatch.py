@@ -27,6 +27,7 @@ class Kernels:
     rotary_with_plan: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.rotary_with_plan
     # Gemma's norm over bfloat16 rows with a float32 weight; None: composed of rms_norm
     rms_norm_in_float32: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = reference.silu_and_mul
 
 
 REFERENCE_KERNELS = Kernels(
@@ -52,7 +53,7 @@ def get_kernels(device: torch.device | str) -> Kernels:
 
 @functools.cache
 def _native_cpu_kernels() -> Kernels:
-    """The references, with RMSNorm, RoPE and the KV store in native ops
+    """The references, with RMSNorm, RoPE, the KV store and SwiGLU's middle in native ops
     (kernels/cpu/layer_ops.cpp)."""
     from kernels import native_layer_ops as ops
 
@@ -64,6 +65,7 @@ def _native_cpu_kernels() -> Kernels:
         rms_norm_in_float32=ops.rms_norm_in_float32,
         prepare_rotary=ops.prepare_rotary,
         rotary_with_plan=ops.rotary_with_plan,
+        silu_and_mul=ops.silu_and_mul,
     )
 
 

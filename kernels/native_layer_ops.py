@@ -1,4 +1,4 @@
-"""kernels/cpu/layer_ops.cpp's RMSNorm, rotary embedding and KV-cache store behind
+"""kernels/cpu/layer_ops.cpp's RMSNorm, rotary embedding, KV-cache store and SwiGLU middle behind
 kernels/reference.py's signatures; what the native ops do not take (float16, a weight in another
 dtype, strided rows) goes to the reference, which is also their oracle (tests/test_layer_ops.py)."""
 
@@ -65,6 +65,14 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
     if not (fits and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
     native_ops().store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def silu_and_mul(both: torch.Tensor) -> torch.Tensor:
+    """reference.silu_and_mul in one pass over the rows (torch's silu and multiply made two, over
+    the halves' strided views)."""
+    if both.dim() != 2 or both.shape[-1] % 2 or not _native_fits(both.dtype, (both,)):
+        return reference.silu_and_mul(both)
+    return native_ops().silu_and_mul(both)
 
 
 def rotary_with_plan(

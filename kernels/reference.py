@@ -277,6 +277,12 @@ def rms_norm(
     return weight * x32.to(x.dtype), residual
 
 
+def silu_and_mul(both: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU MLP's middle: both [..., 2 i] -> silu(gate) * up [..., i], gate and up its halves."""
+    gate, up = both.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rms_norm_in_float32(
     x: torch.Tensor,
     weight: torch.Tensor,

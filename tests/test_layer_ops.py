@@ -115,8 +115,10 @@ def test_cpu_kernels_are_the_native_ones_where_built(monkeypatch):
     assert get_kernels("cpu").rms_norm is native_layer_ops.rms_norm
     assert get_kernels("cpu").rotary_with_plan is native_layer_ops.rotary_with_plan
     assert get_kernels("cpu").store_kvcache is native_layer_ops.store_kvcache
+    assert get_kernels("cpu").silu_and_mul is native_layer_ops.silu_and_mul
     monkeypatch.setattr(native, "native_ops", lambda: None)
     assert get_kernels("cpu").rms_norm is reference.rms_norm
+    assert get_kernels("cpu").silu_and_mul is reference.silu_and_mul
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -147,3 +149,28 @@ def test_kv_store_is_the_reference_and_skips_padding_slots(dtype):
     assert caches[0].view(-1, kv_heads, head_dim)[17].equal(key[2])
     with pytest.raises(RuntimeError, match="past the cache"):
         native_layer_ops.store_kvcache(key, value, caches[0], caches[1], slots + 30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, intermediate", [(1, 1536), (3, 13), (40, 4864)])
+def test_silu_and_mul_is_the_reference(dtype, rows, intermediate):
+    g = generator(intermediate)
+    both = (torch.randn(rows, 2 * intermediate, generator=g) * 4).to(dtype)
+    both[0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0])  # saturated sigmoids and zeros
+    out = native_layer_ops.silu_and_mul(both)
+    expected = reference.silu_and_mul(both)
+    assert out.dtype == dtype and out.shape == (rows, intermediate)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    if dtype == torch.bfloat16:  # two roundings as the reference's: rarely a unit apart
+        assert (out != expected).float().mean() < 0.02
+    alone = native_layer_ops.silu_and_mul(both[-1:].clone())
+    assert torch.equal(alone, out[-1:])  # a row is the same bits alone or in a batch
+
+
+def test_silu_and_mul_falls_back_where_the_kernel_does_not_fit():
+    both = torch.randn(2, 3, 10)  # more than two dimensions; float16 too
+    torch.testing.assert_close(native_layer_ops.silu_and_mul(both), reference.silu_and_mul(both))
+    half = both[0].half()
+    assert native_layer_ops.silu_and_mul(half).dtype == torch.float16
+    with pytest.raises(RuntimeError, match="silu_and_mul"):
+        native.native_ops().silu_and_mul(torch.randn(2, 7))

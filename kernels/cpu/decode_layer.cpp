@@ -120,10 +120,11 @@ Tensor attention(const Matmul& matmul, const Tensor& h, const Projection& qkv, c
 // down(act(gate) * up), gate and up the two halves of one projection [T, 2 I]; act SiLU or gelu-tanh
 Tensor gated_mlp(const Matmul& matmul, const Tensor& h, const Projection& gate_up, const Projection& down,
                  bool gelu_tanh) {
+  static const auto silu_and_mul = typed_op<Tensor(const Tensor&)>("conveyor_cpu::silu_and_mul");
   const Tensor both = project(matmul, h, gate_up.parts, gate_up.types, c10::nullopt);
   const int64_t intermediate = both.size(1) / 2;
   const Tensor gate = both.narrow(1, 0, intermediate), up = both.narrow(1, intermediate, intermediate);
-  const Tensor act = (gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate)) * up;
+  const Tensor act = gelu_tanh ? at::gelu(gate, "tanh") * up : silu_and_mul.call(both.contiguous());
   return project(matmul, act, down.parts, down.types, c10::nullopt);
 }
 

@@ -24,17 +24,25 @@
 //   store_kvcache(key [tokens, kv_heads, d], value, k_cache [blocks, block_size, kv_heads, d],
 //                 v_cache, slots [tokens] int): key/value rows into their slots; slot -1 is
 //     skipped (CUDA-graph padding); key and value may be strided, d contiguous
+//   silu_and_mul(both [rows, 2 i]) -> [rows, i]: silu(gate) * up, gate and up both's halves (the
+//     SwiGLU MLP's middle; reference.silu_and_mul), contiguous, float32 or bfloat16
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
+#include "float8.h"
+
 namespace {
+
+using namespace conveyor_float8;
 
 template <typename T>
 inline T rounded(float v) {
@@ -217,6 +225,68 @@ void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor k_
   store_rows(value, slots.data_ptr<int64_t>(), num_slots, v_cache);
 }
 
+// silu(g) = g * sigmoid(g), sigmoid from e^-|g| (exp8's domain): 1 / (1 + e) or e / (1 + e)
+inline v8 silu8(v8 g) {
+  const i8 sign = i8{} + static_cast<int32_t>(0x80000000u);
+  const v8 e = exp8((v8)((i8)g | sign));  // e^-|g|: the sign bit set
+  return g * ((g >= 0.f ? v8{} + 1.f : e) / (1.f + e));
+}
+
+inline void store8(v8 v, float* dst) { *reinterpret_cast<v8*>(dst) = v; }
+inline void store8(v8 v, at::BFloat16* dst) {
+  for (int i = 0; i < 8; ++i) dst[i] = v[i];
+}
+
+// 8 columns: bfloat16 rounds silu's result before the multiply, and the product, as torch's two ops
+// round theirs
+template <typename T>
+inline void silu_mul8(const T* gate, const T* up, T* out) {
+  v8 activated = silu8(load8(gate));
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    T rounded_silu[8];
+    store8(activated, rounded_silu);
+    activated = load8(rounded_silu);
+  }
+  store8(activated * load8(up), out);
+}
+
+// one row, 8 columns at a time; the last few through 8-lane copies, so that every column takes the
+// same operations
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, int64_t columns, T* out) {
+  int64_t k = 0;
+  for (; k + 8 <= columns; k += 8) silu_mul8(gate + k, up + k, out + k);
+  if (k == columns) return;
+  const int64_t count = columns - k;
+  T g[8] = {}, u[8] = {}, o[8];
+  std::memcpy(g, gate + k, count * sizeof(T));
+  std::memcpy(u, up + k, count * sizeof(T));
+  silu_mul8(g, u, o);
+  std::memcpy(out + k, o, count * sizeof(T));
+}
+
+template <typename T>
+void silu_mul_rows(const T* both, int64_t rows, int64_t columns, T* out) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(columns, 1));  // a thread's share
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      silu_mul_row(both + r * 2 * columns, both + r * 2 * columns + columns, columns, out + r * columns);
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& both) {
+  TORCH_CHECK(both.dim() == 2 && both.size(1) % 2 == 0 && both.is_contiguous() && both.device().is_cpu() &&
+                  (both.scalar_type() == at::kFloat || both.scalar_type() == at::kBFloat16),
+              "silu_and_mul: both [rows, 2 * intermediate], contiguous float32 or bfloat16 on CPU");
+  const int64_t rows = both.size(0), columns = both.size(1) / 2;
+  at::Tensor out = at::empty({rows, columns}, both.options());
+  if (both.scalar_type() == at::kFloat)
+    silu_mul_rows(both.data_ptr<float>(), rows, columns, out.data_ptr<float>());
+  else
+    silu_mul_rows(both.data_ptr<at::BFloat16>(), rows, columns, out.data_ptr<at::BFloat16>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
@@ -228,4 +298,6 @@ TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.impl("rotary_plan", c10::DispatchKey::CPU, &rotary_plan);
   m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.impl("store_kvcache", c10::DispatchKey::CPU, &store_kvcache);
+  m.def("silu_and_mul(Tensor both) -> Tensor");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
 }

@@ -21,7 +21,7 @@ class Gemma3DecoderLayer(StepModule):
         self.self_attn = PagedAttention(config, layer_index, model.backend, norm_unit_offset=True)
         self.post_attention_layernorm = model.make_norm(hidden)
         self.pre_feedforward_layernorm = model.make_norm(hidden)
-        self.mlp = GatedMLP(config)
+        self.mlp = GatedMLP(config, model.backend.kernels)
         self.post_feedforward_layernorm = model.make_norm(hidden)
 
     def forward(self, positions, x, residual, rope_tables, ctx: ForwardContext):

@@ -113,14 +113,16 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 
 
 class GatedMLP(StepModule):
-    """down(act(gate(x)) * up(x)), gate and up fused in one projection."""
+    """down(act(gate(x)) * up(x)), gate and up fused in one projection; SiLU's middle through the
+    kernels' silu_and_mul (one native pass on CPU)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels=reference) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.activation = config.hidden_activation  # its name
         self.act = ACTIVATIONS[config.hidden_activation]
+        self.silu_and_mul = kernels.silu_and_mul if self.act is F.silu else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.shape[0] <= MLP_ROWS_AT_ONCE:
@@ -128,7 +130,10 @@ class GatedMLP(StepModule):
         return torch.cat([self._rows(rows) for rows in x.split(MLP_ROWS_AT_ONCE)])
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        both = self.gate_up_proj(x)
+        if self.silu_and_mul is not None:
+            return self.down_proj(self.silu_and_mul(both))
+        gate, up = both.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

@@ -17,7 +17,7 @@ class LlamaDecoderLayer(StepModule):
         self.input_layernorm = model.make_norm(config.hidden_size)
         self.self_attn = PagedAttention(config, layer_index, model.backend)
         self.post_attention_layernorm = model.make_norm(config.hidden_size)
-        self.mlp = GatedMLP(config)
+        self.mlp = GatedMLP(config, model.backend.kernels)
 
     def forward(self, positions, x, residual, rope_tables, ctx: ForwardContext):
         """x + residual is the residual stream (residual None before the first layer)."""
