@@ -1,13 +1,12 @@
 // One decoder layer of a decode step (Llama, Qwen2, Mistral; Gemma 3 in gemma_decode_layer) in one
 // call: the same ops, in the same order, as the layer over runtime/models/layers.py's modules
 // (runtime/models/llama.py's, gemma3.py's), called through the dispatcher from here instead of
-// from Python. The projections take the GGUF matmul
-// the modules would take at this step's row count (`matmul`: quant_dot_int8 or quant_dot for a few
-// rows, quant_gemm_int8, quant_gemm_int16 or quant_gemm for a full batch;
-// runtime/models/cpu_kernels.py decides). A SmolLM2 decode step makes about 25 small calls a layer; from Python each costs microseconds of
-// interpreter and binding, which came to a third of the step (measured: 5-6 ms of 13-17). The
-// results are bit for bit the unfused layer's (tests/test_decode_layer.py): every number comes
-// from the same kernels.
+// from Python. The projections take the GGUF matmul the modules would take at this step's row
+// count (`matmul`: quant_dot_int8 or quant_dot for a few rows, quant_gemm_int8, quant_gemm_int16
+// or quant_gemm for a full batch; runtime/models/cpu_kernels.py decides). A SmolLM2 decode step
+// makes about 25 small calls a layer; from Python each costs microseconds of interpreter and
+// binding, which came to a third of the step (measured: 5-6 ms of 13-17). The results are bit for
+// bit the unfused layer's (tests/test_decode_layer.py): every number comes from the same kernels.
 //
 // Shapes (T tokens, all decode queries; H heads, KV kv heads, D head_dim):
 //   x [T, hidden], residual [T, hidden] or none (the first layer), in the model's dtype
@@ -121,11 +120,11 @@ Tensor attention(const Matmul& matmul, const Tensor& h, const Projection& qkv, c
 Tensor gated_mlp(const Matmul& matmul, const Tensor& h, const Projection& gate_up, const Projection& down,
                  bool gelu_tanh) {
   static const auto silu_and_mul = typed_op<Tensor(const Tensor&)>("conveyor_cpu::silu_and_mul");
-  const Tensor both = project(matmul, h, gate_up.parts, gate_up.types, c10::nullopt);
+  const Tensor both = project(matmul, h, gate_up.parts, gate_up.types, c10::nullopt);  // a new tensor
+  if (!gelu_tanh) return project(matmul, silu_and_mul.call(both), down.parts, down.types, c10::nullopt);
   const int64_t intermediate = both.size(1) / 2;
   const Tensor gate = both.narrow(1, 0, intermediate), up = both.narrow(1, intermediate, intermediate);
-  const Tensor act = gelu_tanh ? at::gelu(gate, "tanh") * up : silu_and_mul.call(both.contiguous());
-  return project(matmul, act, down.parts, down.types, c10::nullopt);
+  return project(matmul, at::gelu(gate, "tanh") * up, down.parts, down.types, c10::nullopt);
 }
 
 std::tuple<Tensor, Tensor> decode_layer(

@@ -3,7 +3,8 @@
 rope from the layer's own table, the layer's sliding window), and the causal LM around a
 family's decoder layers (`CausalLM`: scaled embeddings, the final norm, the lm_head with optional
 softcapping, the fused greedy projection, packing, and loading HF weights with q/k/v and
-gate/up fused at load: checkpoint.py). A family supplies its decoder layer (`make_layer`) and its norm kind."""
+gate/up fused at load: checkpoint.py). A family supplies its decoder layer (`make_layer`) and
+its norm kind."""
 
 from __future__ import annotations
 
