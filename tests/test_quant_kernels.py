@@ -3,6 +3,8 @@ oracle: gguf-py's dequantize, then a float32 matmul."""
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -72,8 +74,10 @@ def rounded_to_int16_groups(x: torch.Tensor, qtype) -> torch.Tensor:
 
 
 def rounded_to_int8_groups(x: torch.Tensor, qtype) -> torch.Tensor:
-    """x as quant_gemm_int8 sees it: steps of 32 values (llama.cpp's Q8_0)."""
-    return rounded_in_groups(x, 32, 127)
+    """x as quant_gemm_int8 sees it, as the kernel declares it for the type: 8 bits in steps of
+    32 values (llama.cpp's Q8_0); 7 bits in steps of 16 against Q8_0 on AVX2 without VNNI."""
+    group, top = native.native_ops().quant_int8_x_rounding(int(qtype))
+    return rounded_in_groups(x, group, top)
 
 
 needs_int16_kernels = pytest.mark.skipif(
@@ -175,6 +179,39 @@ def test_int8_tiles_are_the_oracle_on_int8_rounded_activations(qtype, rows, dtyp
     scale = expected.abs().max().item()
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bfloat16: the result's own rounding
     torch.testing.assert_close(got.double(), expected, atol=tol * scale, rtol=tol)
+
+
+@needs_int8_tiles
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda t: t.name)
+def test_x_keeps_8_bits_except_against_q8_0_on_avx2_alone(qtype):
+    """vpmaddubsw adds two products into 16 bits: Q8_0's unsigned codes (up to 255) times x up
+    to 127 would saturate, so AVX2 without VNNI rounds x to 63 in steps of 16 values against
+    Q8_0; vpdpbusd adds into 32 bits and keeps 127 in steps of 32 for every type."""
+    rounding = native.native_ops().quant_int8_x_rounding(int(qtype))
+    if qtype != Q.Q8_0:
+        assert rounding == [32, 127]
+    elif "CONVEYOR_NATIVE_MARCH" not in os.environ:  # else the build's flags are not the CPU's
+        vnni = {"avx512_vnni", "avx_vnni"} & native.cpu_flags()
+        assert rounding == ([32, 127] if vnni else [16, 63])
+
+
+@needs_int8_tiles
+def test_q8_0_codes_at_both_extremes_do_not_saturate():
+    """The largest products a 16-bit pair can hold: every weight code -128 or 127 against x at
+    its largest code of either sign; the kernel's sums must be exact."""
+    in_features, rows = 256, 9
+    blocks = np.zeros((4, in_features // 32, 34), dtype=np.uint8)
+    blocks[..., :2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)  # d = 1
+    codes = np.array([[-128, 127], [127, -128], [-128, -128], [127, 127]], dtype=np.int8)
+    blocks[..., 2:] = np.tile(codes, 16).view(np.uint8)[:, None, :]
+    raw = torch.from_numpy(blocks.reshape(4, -1))
+    x = torch.tensor([[1.0, -1.0], [-1.0, 1.0], [1.0, 1.0]]).repeat(3, in_features // 2)[:rows]
+    weight = oracle(raw.numpy(), Q.Q8_0, 4, in_features).double()
+    expected = rounded_to_int8_groups(x, Q.Q8_0).double() @ weight.T
+    ops = native.native_ops()
+    for kernel in (ops.quant_gemm_int8, ops.quant_dot_int8):
+        got = kernel(x, raw, int(Q.Q8_0), 4, in_features).double()
+        torch.testing.assert_close(got, expected, atol=0, rtol=1e-6)
 
 
 @needs_int8_tiles

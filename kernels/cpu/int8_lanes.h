@@ -1,9 +1,8 @@
 // quant_gemm_int8.cpp's vectors, per instruction set and width (and quant_dot_int8.cpp's dot32: 32
 // unsigned weight codes times 32 of x's signed codes in one ymm each -> 8 int32 lanes, lane k the
-// sum of products 4k..4k+3; Q8_0's codes signed where kSignedQ8). A vector holds a 32-bit lane per
-// row of x (kLanes rows), 4 of the row's 8-bit codes a lane; 4 codes of a weight row are one
-// broadcast. Rows are independent lanes doing the same integer and float operations, so a row's
-// result is the same bits in either width.
+// sum of products 4k..4k+3). A vector holds a 32-bit lane per row of x (kLanes rows), 4 of the
+// row's 8-bit codes a lane; 4 codes of a weight row are one broadcast. Rows are independent lanes
+// doing the same integer and float operations, so a row's result is the same bits in either width.
 // - Zmm, AVX-512 VNNI: 16 rows; vpdpbusd adds 4 products a lane into 32 bits.
 // - Ymm: 8 rows. With AVX-512 VNNI, the GEMM's few-rows width: a zmm holding 5-8 rows multiplied
 //   8-11 lanes of padding, and a 256-bit vpdpbusd issues twice where a 512-bit one issues once
@@ -11,8 +10,10 @@
 //   same vpdpbusd on 256 bits. With AVX2 alone, vpmaddubsw adds 2 products into 16 bits and
 //   saturates past 32767, so a chunk of kChunkSteps steps adds there only as far as the weights'
 //   largest code allows (2 * 127 * code a step), then vpmaddwd widens it into the 32-bit sums.
-//   Q8_0's codes stay signed there, since 2 * 127 * 255 overflows: |w| times x with w's sign
-//   (llama.cpp's way).
+//   Q8_0's unsigned codes (q + 128) would overflow it against 8-bit x (2 * 127 * 255), so there x
+//   is rounded to 7 bits in steps of 16 values (kNarrowX): vpmaddubsw, vpmaddwd and vpaddd for 32
+//   products, where llama.cpp's sign trick (|w| times x with w's sign) takes vpsignb and vpabsb
+//   too.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -27,12 +28,6 @@
 #define CONVEYOR_INT8_LANES 1
 namespace conveyor_int8 {
 using namespace conveyor_gguf;
-
-// values sharing a weight scale (Q6_K: 16)
-template <int64_t kType>
-constexpr int kSubValues = kType == Q6_K ? 16 : 32;
-
-constexpr int kGroup = 32;  // values of x sharing a step: a multiple of every type's sub-block
 
 // the sum of the values a sub-block of x's codes stands for (what a float offset multiplies):
 // one product of the exact integer sum, so every kernel and lane width gets the same float
@@ -59,27 +54,45 @@ constexpr int kYmmColumns = 4;  // 16 ymm registers: 4 sums, 4 chunks and 4 floa
 #ifdef CONVEYOR_INT8_VNNI
 constexpr int kYmmRowBlocks = 1, kYmmPairColumns = kYmmColumns;
 #else
-// AVX2: 2 row blocks share each weight broadcast (and Q8_0's |w|), 2 columns at a time (4 would
-// spill): at 32 rows the output projection of Qwen2.5-0.5B (Q8_0) 41.7 against 45.6 ms, its Q5_0
-// FFN 0.78-0.82 against 0.85-0.90 (the fastest of three runs each on a Zen 4, x86-64-v3 build)
+// AVX2: 2 row blocks share each weight broadcast, 2 columns at a time (4 would spill): at 32 rows
+// the output projection of Qwen2.5-0.5B (Q8_0) 41.7 against 45.6 ms, its Q5_0 FFN 0.78-0.82
+// against 0.85-0.90 (the fastest of three runs each on a Zen 4, x86-64-v3 build)
 constexpr int kYmmRowBlocks = 2, kYmmPairColumns = 2;
 #endif
 
+// x against Q8_0 where vpmaddubsw adds its products (AVX2 without VNNI): Q8_0's unsigned codes
+// (up to 255) times x up to 127 would saturate 16 bits, so x is rounded to 7 bits there (2 * 63 *
+// 255 fits), in steps of 16 values, as accurate as 8 bits in steps of 32 (Qwen2.5-0.5B's output
+// projection on the teacher-forced text: argmax agreement with float32 x 0.9883 against 0.9888,
+// 7 bits in steps of 32 0.9858). Where vpdpbusd adds into 32 bits, x keeps 8 bits in steps of 32.
 #ifdef CONVEYOR_INT8_VNNI
-constexpr bool kSignedQ8 = false;
+constexpr bool kNarrowQ8 = false;
+#else
+constexpr bool kNarrowQ8 = true;
+#endif
+template <int64_t kType>
+constexpr bool kNarrowX = kType == Q8_0 && kNarrowQ8;
+template <int64_t kType>
+constexpr int kXTop = kNarrowX<kType> ? 63 : 127;  // x's largest code: step = max|x| / kXTop
+template <int64_t kType>
+constexpr int kXGroup = kNarrowX<kType> ? 16 : 32;  // values of x sharing a step
+// values whose integer sum takes one float step: a weight scale's (Q6_K: 16) or x's step's
+template <int64_t kType>
+constexpr int kSubValues = kType == Q6_K || kNarrowX<kType> ? 16 : 32;
+
+#ifdef CONVEYOR_INT8_VNNI
 template <int64_t kType>
 constexpr int kChunkSteps = kSubValues<kType> / 4;  // a whole sub-block in 32 bits
 template <int64_t kType>
 inline __m256i dot32(__m256i w, __m256i x) { return dpbusd256(_mm256_setzero_si256(), w, x); }
 #else
-constexpr bool kSignedQ8 = true;
 template <int64_t kType>
-constexpr int kLargestCode = kType == Q8_0 ? 128 : kType == Q6_K ? 63 : kType == Q5_0 || kType == Q5_K ? 31 : 15;
+constexpr int kLargestCode = kType == Q8_0 ? 255 : kType == Q6_K ? 63 : kType == Q5_0 || kType == Q5_K ? 31 : 15;
 template <int64_t kType>
-constexpr int kChunkSteps = std::min(kSubValues<kType> / 4, 32767 / (2 * 127 * kLargestCode<kType>));
+constexpr int kChunkSteps = std::min(kSubValues<kType> / 4, 32767 / (2 * kXTop<kType> * kLargestCode<kType>));
 template <int64_t kType>
 inline __m256i products_of(__m256i w, __m256i x) {  // adjacent pairs summed into 16 bits
-  return kType == Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
+  return _mm256_maddubs_epi16(w, x);
 }
 template <int64_t kType>
 inline __m256i dot32(__m256i w, __m256i x) { return _mm256_madd_epi16(products_of<kType>(w, x), _mm256_set1_epi16(1)); }
@@ -217,14 +230,10 @@ int32_t codes_of(const T* values, float inverse, int8_t codes[kRoundValues]) {
 }
 #endif
 
-// w = scale * (u - kZeroPoint) + offset, u the unsigned code (Q8_0: q + 128, or q itself where
-// its codes stay signed); only Q4_1 and the Q4_K/Q5_K mins have a float offset (kFloatOffset)
+// w = scale * (u - kZeroPoint) + offset, u the unsigned code (Q8_0: q + 128); only Q4_1 and the
+// Q4_K/Q5_K mins have a float offset (kFloatOffset)
 template <int64_t kType>
-constexpr int kZeroPoint = kType == Q4_0   ? 8
-                           : kType == Q5_0 ? 16
-                           : kType == Q6_K ? 32
-                           : kType == Q8_0 ? (kSignedQ8 ? 0 : 128)
-                                           : 0;
+constexpr int kZeroPoint = kType == Q4_0 ? 8 : kType == Q5_0 ? 16 : kType == Q6_K ? 32 : kType == Q8_0 ? 128 : 0;
 
 // An 8-bit kernel's op: x float32 or bfloat16 [rows, in] -> y [rows, out] in x's dtype, through
 // run(type tag, x's data, rows, weight blocks, out, in, y's data) with bfloat16 as uint16_t
@@ -250,25 +259,27 @@ at::Tensor rows_times_blocks(const char* op, const at::Tensor& x, const at::Tens
   return y;
 }
 
-// One row of x [in] rounded to signed 8-bit codes q = round(x / step), step = max|x| / 127 per
-// kGroup values, the one rounding every 8-bit kernel takes (so that a row comes out of them bit
-// for bit alike): put(at, codes) for each kRoundValues codes from value `at`; done(sub, step, sum(q))
-// after each sub-block of sub_values, step its group's.
-template <typename T, typename Put, typename Done>
-void round_row(const T* x, int64_t in, int sub_values, Put&& put, Done&& done) {
+// One row of x [in] rounded to signed codes q = round(x / step), step = max|x| / kXTop per kXGroup
+// values (of the weights' type), the one rounding every 8-bit kernel takes (so that a row comes out
+// of them bit for bit alike): put(at, codes) for each kRoundValues codes from value `at`;
+// done(sub, step, sum(q)) after each sub-block of kSubValues, step its group's.
+template <int64_t kType, typename T, typename Put, typename Done>
+void round_row(const T* x, int64_t in, Put&& put, Done&& done) {
+  constexpr int kGroup = kXGroup<kType>, kSub = kSubValues<kType>;
+  constexpr float kLevels = kXTop<kType>;
   for (int64_t g = 0; g < in / kGroup; ++g) {
     const T* values = x + g * kGroup;
     const float top = largest_magnitude(values, kGroup);
-    const float step = top / 127.f;
-    const float inverse = top > 0.f ? 127.f / top : 0.f;
-    for (int64_t first = 0; first < kGroup; first += sub_values) {
+    const float step = top / kLevels;
+    const float inverse = top > 0.f ? kLevels / top : 0.f;
+    for (int64_t first = 0; first < kGroup; first += kSub) {
       int32_t sum = 0;
-      for (int64_t k = first; k < first + sub_values; k += kRoundValues) {
+      for (int64_t k = first; k < first + kSub; k += kRoundValues) {
         int8_t codes[kRoundValues];
         sum += codes_of(values + k, inverse, codes);
         put(g * kGroup + k, codes);
       }
-      done((g * kGroup + first) / sub_values, step, sum);
+      done((g * kGroup + first) / kSub, step, sum);
     }
   }
 }

@@ -3,10 +3,11 @@
 //
 // quant_dot_int8(x, weight, type, out, in) -> [rows, out] in x's dtype (float32 or bfloat16):
 //   row for row, bit for bit what quant_gemm_int8 returns. x is rounded by the same round_row
-//   (int8_lanes.h: 8 bits per 32 values, step = max|x| / 127), each sub-block's integer sum is
-//   exact, and each output then takes the same float operations in the same order: per sub-block
-//   y = fma(sum * step, scale, y), and for the float offsets y = fma(x's sum, offset, y). So a
-//   decode row rounds the same alone, in a full batch, or as a verify row beside its drafts.
+//   (int8_lanes.h: 8 bits per 32 values, step = max|x| / 127; against Q8_0 on AVX2 7 bits per
+//   16), each sub-block's integer sum is exact, and each output then takes the same float
+//   operations in the same order: per sub-block y = fma(sum * step, scale, y), and for the float
+//   offsets y = fma(x's sum, offset, y). So a decode row rounds the same alone, in a full batch,
+//   or as a verify row beside its drafts.
 // Why: quant_gemm_int8 holds a row of x per 32-bit lane, so one row multiplies 7 (AVX-512: 15)
 // lanes of padding; quant_dot widens weights and x to 16 bits. Here a weight sub-block's 32 codes
 // are one ymm against 32 of x's codes: vpmaddubsw and vpmaddwd (AVX2) or one vpdpbusd (VNNI),
@@ -37,7 +38,7 @@ using conveyor_transpose::transpose8;
 
 constexpr int kTile = 8;  // weight rows side by side: a float lane each
 
-// x [rows, in] rounded by round_row, row-major: codes [rows][in]; steps [rows][in / kGroup];
+// x [rows, in] rounded by round_row, row-major: codes [rows][in]; steps [rows][in / kXGroup];
 // sums (step * sum(q)) and starts (-zero point * sum(q)) [rows][in / sub]
 struct PlainRows {
   std::vector<int8_t> codes;
@@ -45,27 +46,28 @@ struct PlainRows {
   std::vector<int32_t> starts;
 };
 
-template <typename T>
-const PlainRows& quantize_plain(const T* x, int64_t rows, int64_t in, int sub_values, int zero_point) {
+template <int64_t kType, typename T>
+const PlainRows& quantize_plain(const T* x, int64_t rows, int64_t in) {
+  constexpr int kSub = kSubValues<kType>;
   thread_local PlainRows q;  // reused: a hundred calls a step
-  const int64_t groups = in / kGroup, subs = in / sub_values;
+  const int64_t groups = in / kXGroup<kType>, subs = in / kSub;
   q.codes.resize(rows * in);
   q.steps.resize(rows * groups);
   q.sums.resize(rows * subs);
   q.starts.resize(rows * subs);
   for (int64_t r = 0; r < rows; ++r)
-    round_row(
-        x + r * in, in, sub_values,
+    round_row<kType>(
+        x + r * in, in,
         [&](int64_t at, const int8_t* codes) { std::memcpy(q.codes.data() + r * in + at, codes, kRoundValues); },
         [&](int64_t sub, float step, int32_t sum) {
           q.sums[r * subs + sub] = sub_sum(step, sum);
-          q.starts[r * subs + sub] = -zero_point * sum;
-          q.steps[r * groups + sub * sub_values / kGroup] = step;
+          q.starts[r * subs + sub] = -kZeroPoint<kType> * sum;
+          q.steps[r * groups + sub * kSub / kXGroup<kType>] = step;
         });
   return q;
 }
 
-// sub-block j (of 32 values) of the block at b as unsigned codes (Q8_0: signed where kSignedQ8)
+// sub-block j (of 32 values) of the block at b as unsigned codes (Q8_0: q + 128)
 template <int64_t kType>
 inline __m256i codes32(const uint8_t* b, int j) {
   if constexpr (kType == Q4_0) return q4_0_sub(b).codes;
@@ -73,7 +75,7 @@ inline __m256i codes32(const uint8_t* b, int j) {
   if constexpr (kType == Q5_0) return q5_0_sub(b).codes;
   if constexpr (kType == Q8_0) {
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-    return kSignedQ8 ? q : _mm256_xor_si256(q, _mm256_set1_epi8(-128));
+    return _mm256_xor_si256(q, _mm256_set1_epi8(-128));
   }
   if constexpr (kType == Q4_K) return k4_k5_codes(b + 16, nullptr, j);
   if constexpr (kType == Q5_K) {
@@ -178,8 +180,9 @@ template <int64_t kType, int R>
 void tile_rows(const uint8_t* const rows[kTile], const PlainRows& x, int64_t r0, int64_t in, const Ahead& ahead,
                __m256 y[R]) {
   constexpr int kSubs = kSubsPerBlock<kType>;
-  constexpr int kPairs = kType == Q6_K ? 0 : R / 2;  // pairs of rows sharing their vectors (pair_dot)
-  const int64_t blocks = in / (32 * kSubs), subs = in / kSubValues<kType>, groups = in / kGroup;
+  constexpr bool kHalves = kSubValues<kType> == 16;  // a sub-block's values 0-15 and 16-31 apart
+  constexpr int kPairs = kHalves ? 0 : R / 2;  // pairs of rows sharing their vectors (pair_dot)
+  const int64_t blocks = in / (32 * kSubs), subs = in / kSubValues<kType>, groups = in / kXGroup<kType>;
   __m256 sum[R];  // in registers: written through y they were stored every sub-block
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
   const int64_t share = ahead.size ? ahead.share_of(blocks) : 0;
@@ -211,12 +214,16 @@ void tile_rows(const uint8_t* const rows[kTile], const PlainRows& x, int64_t r0,
       }
       for (int r = 2 * kPairs; r < R; ++r) sum_halves(parts[r - kPairs], low[r], high[r]);
       for (int r = 0; r < R; ++r) {
-        const float step = x.steps[(r0 + r) * groups + s32];
+        const float* steps = x.steps.data() + (r0 + r) * groups;
         const int32_t* starts = x.starts.data() + (r0 + r) * subs;
-        if constexpr (kType == Q6_K) {  // two scales of 16 values each
-          sum[r] = add_part(sum[r], low[r], starts[2 * s32], step, t.scales[2 * j]);
-          sum[r] = add_part(sum[r], high[r], starts[2 * s32 + 1], step, t.scales[2 * j + 1]);
+        if constexpr (kHalves) {  // Q6_K: a scale per 16 values; Q8_0 with 7-bit x: a step of x
+          constexpr bool kHalfScales = kType == Q6_K, kHalfSteps = kXGroup<kType> == 16;
+          const __m256 *scale = t.scales + (kHalfScales ? 2 * j : j), *scale_high = scale + kHalfScales;
+          const float *step = steps + (kHalfSteps ? 2 * s32 : s32), *step_high = step + kHalfSteps;
+          sum[r] = add_part(sum[r], low[r], starts[2 * s32], *step, *scale);
+          sum[r] = add_part(sum[r], high[r], starts[2 * s32 + 1], *step_high, *scale_high);
         } else {
+          const float step = steps[s32];
           sum[r] = add_part(sum[r], _mm256_add_epi32(low[r], high[r]), starts[s32], step, t.scales[j]);
           if constexpr (kFloatOffset<kType>)
             sum[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.sums[(r0 + r) * subs + s32]), t.offsets[j], sum[r]);
@@ -261,7 +268,7 @@ void tile_all_rows(const uint8_t* const rows[kTile], const PlainRows& x, int64_t
 
 template <int64_t kType, typename T>
 void dot_rows(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t in, T* y) {
-  const PlainRows& x = quantize_plain(xp, rows, in, kSubValues<kType>, kZeroPoint<kType>);
+  const PlainRows& x = quantize_plain<kType>(xp, rows, in);
   const int64_t row_bytes = row_bytes_of(kType, in), tiles = (out + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {

@@ -2,8 +2,9 @@
 //
 // quant_gemm_int8(x, weight, type, out, in) -> [rows, out] in x's dtype (float32 or bfloat16):
 //   y = x8 @ dequantize(weight)^T, x8 = x rounded to 8 bits per 32 values of a row (llama.cpp's
-//   Q8_0): step = max|x| / 127. Steps over 256 values (llama.cpp's Q8_K for K-quants, and ours
-//   for every type at first) doubled SmolLM2's and Gemma 3's perplexity changes (0.6%, 1.35%).
+//   Q8_0): step = max|x| / 127 (against Q8_0 on AVX2: 63 per 16 values, int8_lanes.h's
+//   kNarrowX). Steps over 256 values (llama.cpp's Q8_K for K-quants, and ours for every type at
+//   first) doubled SmolLM2's and Gemma 3's perplexity changes (0.6%, 1.35%).
 //   Integer sums per sub-block are exact; the scales apply in float32.
 // Why: vpdpbusd does 64 products a cycle where vdpbf16ps does 32 (one zmm each a cycle on the
 // AMD EPYC of docs/benchmarks.md): quant_gemm.cpp's bfloat16 tiles ran at 80-95% of their peak.
@@ -33,7 +34,7 @@ using namespace conveyor_int8;
 
 // x [rows, in] as signed 8-bit codes (int8_lanes.h's round_row), a row a lane:
 // codes: [rows / kLanes (rounded up)][in / 4][kLanes rows][4 values], padding rows 0;
-// steps: [row blocks][in / kGroup][kLanes];
+// steps: [row blocks][in / kXGroup][kLanes];
 // starts: [row blocks][in / sub][kLanes] int32, -zero_point * sum(q) over each sub-block: where a
 // sub-block's integer sum starts; sums: the same, step * sum(q), the sum of the values x8 holds
 // (for the float offsets)
@@ -44,34 +45,35 @@ struct QuantizedRows {
   int64_t blocks = 0;
 };
 
-template <typename L, typename T>
-void quantize_row(const T* x, int64_t r, int64_t in, int sub_values, int zero_point, QuantizedRows& q) {
-  constexpr int kLanes = L::kLanes;
-  const int64_t block = r / kLanes, lane = r % kLanes, groups = in / kGroup, subs = in / sub_values;
+template <typename L, int64_t kType, typename T>
+void quantize_row(const T* x, int64_t r, int64_t in, QuantizedRows& q) {
+  constexpr int kLanes = L::kLanes, kSub = kSubValues<kType>, kGroup = kXGroup<kType>;
+  const int64_t block = r / kLanes, lane = r % kLanes, groups = in / kGroup, subs = in / kSub;
   int8_t* codes = q.codes.data() + block * in * kLanes + lane * 4;
-  round_row(
-      x, in, sub_values,
+  round_row<kType>(
+      x, in,
       [&](int64_t at, const int8_t* part) {
         for (int i = 0; i < kRoundValues / 4; ++i) std::memcpy(codes + (at + 4 * i) * kLanes, part + 4 * i, 4);
       },
       [&](int64_t sub, float step, int32_t sum) {
         const int64_t at = (block * subs + sub) * kLanes + lane;
         q.sums[at] = sub_sum(step, sum);
-        q.starts[at] = -zero_point * sum;
-        q.steps[(block * groups + sub * sub_values / kGroup) * kLanes + lane] = step;
+        q.starts[at] = -kZeroPoint<kType> * sum;
+        q.steps[(block * groups + sub * kSub / kGroup) * kLanes + lane] = step;
       });
 }
 
-template <typename L, typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t in, int sub_values, int zero_point, QuantizedRows& q) {
+template <typename L, int64_t kType, typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t in, QuantizedRows& q) {
   constexpr int kLanes = L::kLanes;
+  const int64_t subs = in / kSubValues<kType>;
   q.blocks = (rows + kLanes - 1) / kLanes;
   q.codes.assign(q.blocks * in * kLanes, 0);
-  q.steps.assign(q.blocks * (in / kGroup) * kLanes, 0.f);
-  q.sums.assign(q.blocks * (in / sub_values) * kLanes, 0.f);
-  q.starts.assign(q.blocks * (in / sub_values) * kLanes, 0);
+  q.steps.assign(q.blocks * (in / kXGroup<kType>) * kLanes, 0.f);
+  q.sums.assign(q.blocks * subs * kLanes, 0.f);
+  q.starts.assign(q.blocks * subs * kLanes, 0);
   at::parallel_for(0, rows, kLanes, [&](int64_t begin, int64_t end) {  // a block's rows share lines
-    for (int64_t r = begin; r < end; ++r) quantize_row<L>(x + r * in, r, in, sub_values, zero_point, q);
+    for (int64_t r = begin; r < end; ++r) quantize_row<L, kType>(x + r * in, r, in, q);
   });
 }
 
@@ -136,7 +138,7 @@ void unpack_row(const uint8_t* wrow, int64_t in, int64_t o, Tile& tile) {
   visit_row(kType, wrow, in, [&](const SubBlock& sub, int64_t s) CONVEYOR_INLINE {
     __m256i values = sub.codes;
     if constexpr (kType == Q8_0)
-      values = kSignedQ8 ? sub.sign_of : _mm256_xor_si256(sub.sign_of, _mm256_set1_epi8(-128));
+      values = _mm256_xor_si256(sub.sign_of, _mm256_set1_epi8(-128));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + s * 32), values);
     for (int h = 0; h < kSubs; ++h) {
       scales[s * kSubs + h] = lane_of(sub.scale, h);
@@ -156,8 +158,8 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
   using Ints = typename L::Ints;
   using Floats = typename L::Floats;
   constexpr int kLanes = L::kLanes;
-  constexpr int kSub = kSubValues<kType>, kSubsPerGroup = kGroup / kSub, kChunk = 4 * kChunkSteps<kType>;
-  const int64_t subs = in / kSub, groups = in / kGroup;
+  constexpr int kSub = kSubValues<kType>, kSubsPerGroup = kXGroup<kType> / kSub, kChunk = 4 * kChunkSteps<kType>;
+  const int64_t subs = in / kSub, groups = in / kXGroup<kType>;
   Floats y[RB][kColumns];
   for (int rb = 0; rb < RB; ++rb)
     for (int j = 0; j < kColumns; ++j) y[rb][j] = L::zero_floats();
@@ -247,7 +249,7 @@ void gemm_in(const T* xp, int64_t rows, const uint8_t* w, int64_t out, int64_t i
   const int64_t row_bytes = row_bytes_of(kType, in), subs = in / kSub;
   thread_local QuantizedRows callers;  // reused: a hundred calls a step
   QuantizedRows& x = callers;           // the workers read the caller's, not their own
-  quantize_rows<L>(xp, rows, in, kSub, kZeroPoint<kType>, x);
+  quantize_rows<L, kType>(xp, rows, in, x);
   const int64_t chunk_blocks = kChunkRows / L::kLanes;
   // each thread a run of weight rows, unpacked kColumns at a time just before they multiply: the
   // blocks stream from memory all along (unpacking a 256 KiB tile at once waited on memory)
@@ -294,6 +296,15 @@ at::Tensor quant_gemm_int8(const at::Tensor& x, const at::Tensor& weight, int64_
   });
 }
 
+// how x is rounded against weights of `type`: [values a step, largest code] (int8_lanes.h)
+std::vector<int64_t> quant_int8_x_rounding(int64_t type) {
+  std::vector<int64_t> rounding;
+  with_type(type, "quant_int8_x_rounding", [&](auto tag) {
+    rounding = {kXGroup<decltype(tag)::value>, kXTop<decltype(tag)::value>};
+  });
+  return rounding;
+}
+
 bool quant_gemm_int8_available() { return true; }
 #define CONVEYOR_QUANT_GEMM_INT8 1
 #endif  // CONVEYOR_INT8_LANES
@@ -302,6 +313,7 @@ bool quant_gemm_int8_available() { return true; }
 at::Tensor quant_gemm_int8(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "quant_gemm_int8: built without AVX2");
 }
+std::vector<int64_t> quant_int8_x_rounding(int64_t) { TORCH_CHECK(false, "quant_int8_x_rounding: built without AVX2"); }
 bool quant_gemm_int8_available() { return false; }
 #endif
 
@@ -310,6 +322,8 @@ bool quant_gemm_int8_available() { return false; }
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("quant_gemm_int8(Tensor x, Tensor weight, int ggml_type, int out_features, int in_features) -> Tensor");
   m.impl("quant_gemm_int8", c10::DispatchKey::CPU, &quant_gemm_int8);
+  m.def("quant_int8_x_rounding(int ggml_type) -> int[]");
+  m.impl("quant_int8_x_rounding", &quant_int8_x_rounding);
   m.def("quant_gemm_int8_available() -> bool");
   m.impl("quant_gemm_int8_available", &quant_gemm_int8_available);
 }
