@@ -65,13 +65,12 @@ constexpr int kYmmRowBlocks = 2, kYmmPairColumns = 2;
 // 255 fits), in steps of 16 values, as accurate as 8 bits in steps of 32 (Qwen2.5-0.5B's output
 // projection on the teacher-forced text: argmax agreement with float32 x 0.9883 against 0.9888,
 // 7 bits in steps of 32 0.9858). Where vpdpbusd adds into 32 bits, x keeps 8 bits in steps of 32.
-#ifdef CONVEYOR_INT8_VNNI
-constexpr bool kNarrowQ8 = false;
-#else
-constexpr bool kNarrowQ8 = true;
-#endif
 template <int64_t kType>
-constexpr bool kNarrowX = kType == Q8_0 && kNarrowQ8;
+#ifdef CONVEYOR_INT8_VNNI
+constexpr bool kNarrowX = false;
+#else
+constexpr bool kNarrowX = kType == Q8_0;
+#endif
 template <int64_t kType>
 constexpr int kXTop = kNarrowX<kType> ? 63 : 127;  // x's largest code: step = max|x| / kXTop
 template <int64_t kType>
@@ -83,19 +82,16 @@ constexpr int kSubValues = kType == Q6_K || kNarrowX<kType> ? 16 : 32;
 #ifdef CONVEYOR_INT8_VNNI
 template <int64_t kType>
 constexpr int kChunkSteps = kSubValues<kType> / 4;  // a whole sub-block in 32 bits
-template <int64_t kType>
 inline __m256i dot32(__m256i w, __m256i x) { return dpbusd256(_mm256_setzero_si256(), w, x); }
 #else
 template <int64_t kType>
 constexpr int kLargestCode = kType == Q8_0 ? 255 : kType == Q6_K ? 63 : kType == Q5_0 || kType == Q5_K ? 31 : 15;
 template <int64_t kType>
 constexpr int kChunkSteps = std::min(kSubValues<kType> / 4, 32767 / (2 * kXTop<kType> * kLargestCode<kType>));
-template <int64_t kType>
 inline __m256i products_of(__m256i w, __m256i x) {  // adjacent pairs summed into 16 bits
   return _mm256_maddubs_epi16(w, x);
 }
-template <int64_t kType>
-inline __m256i dot32(__m256i w, __m256i x) { return _mm256_madd_epi16(products_of<kType>(w, x), _mm256_set1_epi16(1)); }
+inline __m256i dot32(__m256i w, __m256i x) { return _mm256_madd_epi16(products_of(w, x), _mm256_set1_epi16(1)); }
 #endif
 
 struct Ymm {
@@ -111,7 +107,6 @@ struct Ymm {
   // a chunk's products add straight onto the sub-block's sums
   static Ints chunk_start(Ints sums) { return sums; }
   static Ints chunk_end(Ints, Ints chunk) { return chunk; }
-  template <int64_t kType>
   static Ints dot_step(Ints chunk, Ints w, Ints x) { return dpbusd256(chunk, w, x); }
 #else
   // v in a register at this point: GCC neither folds its load into each instruction that uses it
@@ -125,9 +120,8 @@ struct Ymm {
   static Ints chunk_end(Ints sums, Ints chunk) {  // in a register too: Q8_0's chunks, unrolled, spilled
     return in_register(_mm256_add_epi32(sums, _mm256_madd_epi16(chunk, _mm256_set1_epi16(1))));
   }
-  template <int64_t kType>
   static Ints dot_step(Ints chunk, Ints w, Ints x) {
-    return in_register(_mm256_add_epi16(chunk, products_of<kType>(w, x)));  // one add a step into its chain
+    return in_register(_mm256_add_epi16(chunk, products_of(w, x)));  // one add a step into its chain
   }
 #endif
 
@@ -163,7 +157,6 @@ struct Zmm {
   static Ints broadcast4(const uint8_t* p) { return _mm512_set1_epi32(four_at(p)); }
   static Ints chunk_start(Ints sums) { return sums; }
   static Ints chunk_end(Ints, Ints chunk) { return chunk; }
-  template <int64_t kType>
   static Ints dot_step(Ints chunk, Ints w, Ints x) { return _mm512_dpbusd_epi32(chunk, w, x); }
 
   static Floats load_floats(const float* p) { return _mm512_loadu_ps(p); }
@@ -262,7 +255,7 @@ at::Tensor rows_times_blocks(const char* op, const at::Tensor& x, const at::Tens
 // One row of x [in] rounded to signed codes q = round(x / step), step = max|x| / kXTop per kXGroup
 // values (of the weights' type), the one rounding every 8-bit kernel takes (so that a row comes out
 // of them bit for bit alike): put(at, codes) for each kRoundValues codes from value `at`;
-// done(sub, step, sum(q)) after each sub-block of kSubValues, step its group's.
+// done(sub, group, step, sum(q)) after each sub-block of kSubValues, step its group's.
 template <int64_t kType, typename T, typename Put, typename Done>
 void round_row(const T* x, int64_t in, Put&& put, Done&& done) {
   constexpr int kGroup = kXGroup<kType>, kSub = kSubValues<kType>;
@@ -279,7 +272,7 @@ void round_row(const T* x, int64_t in, Put&& put, Done&& done) {
         sum += codes_of(values + k, inverse, codes);
         put(g * kGroup + k, codes);
       }
-      done((g * kGroup + first) / kSub, step, sum);
+      done((g * kGroup + first) / kSub, g, step, sum);
     }
   }
 }

@@ -48,9 +48,8 @@ struct PlainRows {
 
 template <int64_t kType, typename T>
 const PlainRows& quantize_plain(const T* x, int64_t rows, int64_t in) {
-  constexpr int kSub = kSubValues<kType>;
   thread_local PlainRows q;  // reused: a hundred calls a step
-  const int64_t groups = in / kXGroup<kType>, subs = in / kSub;
+  const int64_t groups = in / kXGroup<kType>, subs = in / kSubValues<kType>;
   q.codes.resize(rows * in);
   q.steps.resize(rows * groups);
   q.sums.resize(rows * subs);
@@ -59,10 +58,10 @@ const PlainRows& quantize_plain(const T* x, int64_t rows, int64_t in) {
     round_row<kType>(
         x + r * in, in,
         [&](int64_t at, const int8_t* codes) { std::memcpy(q.codes.data() + r * in + at, codes, kRoundValues); },
-        [&](int64_t sub, float step, int32_t sum) {
+        [&](int64_t sub, int64_t group, float step, int32_t sum) {
           q.sums[r * subs + sub] = sub_sum(step, sum);
           q.starts[r * subs + sub] = -kZeroPoint<kType> * sum;
-          q.steps[r * groups + sub * kSub / kXGroup<kType>] = step;
+          q.steps[r * groups + group] = step;
         });
   return q;
 }
@@ -162,9 +161,9 @@ inline __m256i pair_dot(__m256i codes, __m256i swapped, __m256i straight, __m256
   return dpbusd256(dpbusd256(_mm256_setzero_si256(), codes, straight), swapped, crossed);
 #else
   if constexpr (kChunkSteps<kType> >= 2)  // the two products' 16-bit sums add without overflow
-    return _mm256_madd_epi16(_mm256_add_epi16(products_of<kType>(codes, straight), products_of<kType>(swapped, crossed)),
+    return _mm256_madd_epi16(_mm256_add_epi16(products_of(codes, straight), products_of(swapped, crossed)),
                              _mm256_set1_epi16(1));
-  return _mm256_add_epi32(dot32<kType>(codes, straight), dot32<kType>(swapped, crossed));
+  return _mm256_add_epi32(dot32(codes, straight), dot32(swapped, crossed));
 #endif
 }
 
@@ -203,7 +202,7 @@ void tile_rows(const uint8_t* const rows[kTile], const PlainRows& x, int64_t r0,
           const __m256i swapped = _mm256_permute2x128_si256(codes, codes, 0x01);
           for (int p = 0; p < kPairs; ++p) parts[p][i] = pair_dot<kType>(codes, swapped, xv[2 * p], xv[2 * p + 1]);
         }
-        for (int r = 2 * kPairs; r < R; ++r) parts[r - kPairs][i] = dot32<kType>(codes, xv[r]);
+        for (int r = 2 * kPairs; r < R; ++r) parts[r - kPairs][i] = dot32(codes, xv[r]);
       }
       // lane i of low[r] and high[r]: weight row i's integer sums over the sub-block's values 0-15
       // and 16-31 of row r (a pair's rows: each whole in low)
@@ -217,11 +216,11 @@ void tile_rows(const uint8_t* const rows[kTile], const PlainRows& x, int64_t r0,
         const float* steps = x.steps.data() + (r0 + r) * groups;
         const int32_t* starts = x.starts.data() + (r0 + r) * subs;
         if constexpr (kHalves) {  // Q6_K: a scale per 16 values; Q8_0 with 7-bit x: a step of x
-          constexpr bool kHalfScales = kType == Q6_K, kHalfSteps = kXGroup<kType> == 16;
-          const __m256 *scale = t.scales + (kHalfScales ? 2 * j : j), *scale_high = scale + kHalfScales;
-          const float *step = steps + (kHalfSteps ? 2 * s32 : s32), *step_high = step + kHalfSteps;
-          sum[r] = add_part(sum[r], low[r], starts[2 * s32], *step, *scale);
-          sum[r] = add_part(sum[r], high[r], starts[2 * s32 + 1], *step_high, *scale_high);
+          const int scale = kType == Q6_K ? 2 * j : j, high_scale = kType == Q6_K ? 2 * j + 1 : j;
+          constexpr bool kHalfSteps = kXGroup<kType> == 16;
+          const int64_t step = kHalfSteps ? 2 * s32 : s32, high_step = kHalfSteps ? 2 * s32 + 1 : s32;
+          sum[r] = add_part(sum[r], low[r], starts[2 * s32], steps[step], t.scales[scale]);
+          sum[r] = add_part(sum[r], high[r], starts[2 * s32 + 1], steps[high_step], t.scales[high_scale]);
         } else {
           const float step = steps[s32];
           sum[r] = add_part(sum[r], _mm256_add_epi32(low[r], high[r]), starts[s32], step, t.scales[j]);

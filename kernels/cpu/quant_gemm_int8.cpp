@@ -47,19 +47,19 @@ struct QuantizedRows {
 
 template <typename L, int64_t kType, typename T>
 void quantize_row(const T* x, int64_t r, int64_t in, QuantizedRows& q) {
-  constexpr int kLanes = L::kLanes, kSub = kSubValues<kType>, kGroup = kXGroup<kType>;
-  const int64_t block = r / kLanes, lane = r % kLanes, groups = in / kGroup, subs = in / kSub;
+  constexpr int kLanes = L::kLanes;
+  const int64_t block = r / kLanes, lane = r % kLanes, groups = in / kXGroup<kType>, subs = in / kSubValues<kType>;
   int8_t* codes = q.codes.data() + block * in * kLanes + lane * 4;
   round_row<kType>(
       x, in,
       [&](int64_t at, const int8_t* part) {
         for (int i = 0; i < kRoundValues / 4; ++i) std::memcpy(codes + (at + 4 * i) * kLanes, part + 4 * i, 4);
       },
-      [&](int64_t sub, float step, int32_t sum) {
+      [&](int64_t sub, int64_t group, float step, int32_t sum) {
         const int64_t at = (block * subs + sub) * kLanes + lane;
         q.sums[at] = sub_sum(step, sum);
         q.starts[at] = -kZeroPoint<kType> * sum;
-        q.steps[(block * groups + sub * kSub / kGroup) * kLanes + lane] = step;
+        q.steps[(block * groups + group) * kLanes + lane] = step;
       });
 }
 
@@ -186,7 +186,7 @@ void block_product(const QuantizedRows& x, int64_t b0, const Tile& tile, int64_t
         for (int rb = 0; rb < RB; ++rb) xv[rb] = L::in_register(L::load_ints(xs + (rb * in + k) * kLanes));
         for (int j = 0; j < kColumns; ++j) {
           const Ints wv = L::broadcast4(ws + j * in + k);
-          for (int rb = 0; rb < RB; ++rb) chunk[rb][j] = L::template dot_step<kType>(chunk[rb][j], wv, xv[rb]);
+          for (int rb = 0; rb < RB; ++rb) chunk[rb][j] = L::dot_step(chunk[rb][j], wv, xv[rb]);
         }
       }
       for (int rb = 0; rb < RB; ++rb)
