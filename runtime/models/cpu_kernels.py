@@ -137,12 +137,19 @@ def few_rows_step(rows: int) -> bool:
     return _counted_rows(rows) <= integer_dot_rows() and not _STEP.has_prompt_rows
 
 
+def rounds_to_int8(rows: torch.Tensor) -> bool:
+    """The running step's quantized matmuls round these rows to 8 bits (quant_dot_int8 or
+    quant_gemm_int8), where the native kernels run."""
+    is_float = rows.dtype in (torch.float32, torch.bfloat16)
+    return is_float and _STEP.int8_activations and int8_dots()
+
+
 def native_kernel(ops, rows: torch.Tensor):
     """The native op that multiplies these rows in the running step, or None (tiles dequantized
     for torch's matmul)."""
     if ops is None:
         return None
-    if int8_dots() and _STEP.int8_activations and rows.dtype in (torch.float32, torch.bfloat16):
+    if rounds_to_int8(rows):
         # the two 8-bit kernels round a row alike: the row count alone picks the faster
         few = rows.shape[0] <= INT8_DECODE_ROWS
         return ops.quant_dot_int8 if few else ops.quant_gemm_int8

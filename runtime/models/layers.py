@@ -23,6 +23,8 @@ from runtime.models.quant import (
 )
 
 GLOBAL_ROPE, LOCAL_ROPE = "global", "local"
+RESCORED_LOGITS = 8  # where the output projection rounds x to 8 bits: each row's largest logits
+# recomputed from float activations (QuantizedWeight.rescore_largest)
 
 
 class StepModule(nn.Module):
@@ -274,6 +276,8 @@ class CausalLM(LoadsCheckpoint, nn.Module):
             logits = packed_linear(hidden, self.packed_embedding, None).float()
         else:
             logits = F.linear(hidden, self.embed_tokens.weight).float()
+        if self.output_is_quantized:
+            self.output_projection.rescore_largest(hidden, logits, RESCORED_LOGITS)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

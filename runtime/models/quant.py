@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.native import native_ops
-from runtime.models.cpu_kernels import native_kernel, vector_dequantize
+from runtime.models.cpu_kernels import native_kernel, rounds_to_int8, vector_dequantize
+from runtime.sampling.ops import largest
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,19 @@ class QuantizedWeight(nn.Module):
             part = slice(start, min(start + tile, self.out_features))
             y[:, part] = _fixed_rows_linear(rows, self.dequantize(part, rows.dtype))
         return y
+
+    def rescore_largest(self, rows: torch.Tensor, outputs: torch.Tensor, count: int) -> None:
+        """outputs [n, out_features]: matmul(rows). Where that rounded rows to 8 bits, each
+        row's `count` largest outputs are recomputed in place from rows as they are (float64
+        sums): the largest logits, and so the argmax, as float activations give them."""
+        if self._native() is None or not rounds_to_int8(rows):
+            return
+        n, count = rows.shape[0], min(count, self.out_features)
+        columns = largest(outputs, count)  # [n, count]
+        picked = self.blocks.index_select(0, columns.reshape(-1))
+        weights = _dequantize_blocks(self, picked).view(n, count, self.in_features)
+        exact = torch.bmm(weights.double(), rows.double().unsqueeze(-1))  # [n, count, 1]
+        outputs.scatter_(1, columns, exact.squeeze(-1).to(outputs.dtype))
 
     @classmethod
     def from_reader_tensor(cls, tensor, **kwargs):
