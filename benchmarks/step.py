@@ -89,8 +89,8 @@ def run_projection_bench(num_rows: int, hidden_size: int, vocab_size: int, repea
     """Medians in ms of the fused greedy projection, the packed oneDNN projection + the blocked
     argmax (the logits path on CPU float32), and the packed projection alone, taken in turn."""
     from kernels import native
+    from kernels.row_max import argmax
     from runtime.models.layers import pack_weight, packed_linear
-    from runtime.sampling.ops import argmax
 
     fused = native.greedy_projection_for(torch.device("cpu"), torch.float32)
     gen = torch.Generator().manual_seed(0)

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from benchmarks.quant_accuracy import fixed_text_ids
+from kernels.row_max import largest
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.models import cpu_kernels
 from runtime.models.layers import RESCORED_LOGITS
 from runtime.models.quant import QuantizedLinear, random_blocks
-from runtime.sampling.ops import largest
 from scheduler.request import SamplingParams
 
 Q = gguf.GGMLQuantizationType

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.native import native_ops
+from kernels.row_max import largest
 from runtime.models.cpu_kernels import native_kernel, rounds_to_int8, vector_dequantize
-from runtime.sampling.ops import largest
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from kernels.row_max import argmax
 from runtime.sampling.ops import (
     Candidates,
     PenaltyInputs,
     apply_penalty_inputs,
-    argmax,
     draw_from_probs,
     draw_natively,
     draws_natively,

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampling.ops import argmax, draw_from_probs, prepare_candidates
+from kernels.row_max import argmax
+from runtime.sampling.ops import draw_from_probs, prepare_candidates
 from runtime.sampling.plan import filter_settings, param_rows
 from scheduler.request import SamplingParams
 
