@@ -51,10 +51,11 @@ def near_tied_projection(qtype, vocab: int, hidden: int) -> QuantizedLinear:
 @needs_int8_dots
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 4, 64])
-def test_the_largest_logits_are_the_float_activations(qtype, rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_largest_logits_are_the_float_activations(qtype, rows, dtype):
     projection = near_tied_projection(qtype, 4096, 512)
-    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-    exact = (x.double() @ projection.dequantize().double().T).float()
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    exact = (x.double() @ projection.dequantize().double().T).to(dtype)
     with torch.inference_mode(), cpu_kernels.step_kind(False):
         rounded = projection(x)
         rescored = rounded.clone()
