@@ -103,9 +103,9 @@ def fixed_text_ids(engine: Engine, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def teacher_forced(engine: Engine, ids: list[int]) -> TeacherForced:
-    """Prefills `ids` (chunks of max_batch_tokens) and scores every position's logits, computed
-    from the final norm's output by the model's own lm_head."""
+def final_hidden_states(engine: Engine, ids: list[int]) -> list[torch.Tensor]:
+    """Prefills `ids` (chunks of max_batch_tokens): the final norm's output of each chunk,
+    [chunk tokens, hidden] each, len(ids) rows in all."""
     model = engine.runner.model
     hidden_chunks: list[torch.Tensor] = []
     norm_forward = model.norm.forward
@@ -120,12 +120,19 @@ def teacher_forced(engine: Engine, ids: list[int]) -> TeacherForced:
         engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     finally:
         del model.norm.forward
+    return hidden_chunks[: _prefill_steps(len(ids), engine)]
+
+
+def teacher_forced(engine: Engine, ids: list[int]) -> TeacherForced:
+    """Prefills `ids` and scores every position's logits, computed from the final norm's output
+    by the model's own lm_head."""
+    model = engine.runner.model
     argmax, logprobs = [], []
     targets = torch.tensor(ids[1:] + [0])
     start = 0
     prompt_step = cpu_kernels.step_kind(True, int8_activations=engine.runner.int8_activations)
     with torch.inference_mode(), prompt_step:  # the kernel a prompt step's rows take
-        for hidden in hidden_chunks[: _prefill_steps(len(ids), engine)]:
+        for hidden in final_hidden_states(engine, ids):
             logits = model.compute_logits(hidden).double()
             argmax.append(logits.argmax(-1))
             picked = targets[start : start + len(hidden)].unsqueeze(1)
